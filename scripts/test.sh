@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what the tests need, then runs lint, type checks and the whole suite.
+# README's second command and .ci/run both call this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+python3 -m ruff check .
+python3 -m ruff format --check .
+python3 -m mypy
+
+export KVPOOL_DEBUG=1
+status=0
+python3 -m pytest "$@" || status=$?
+if [ "$status" -eq 5 ]; then
+  echo "test.sh: pytest collected no tests; that is a failure" >&2
+fi
+exit "$status"

@@ -1,0 +1,50 @@
+"""kvpool: a paged, tiered KV-cache manager for LLM inference engines."""
+
+from kvpool.config import (
+    AttentionLayerConfig,
+    BatchDesc,
+    BufferConfig,
+    CacheTier,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheDesc,
+    KVCacheManagerConfig,
+    ReuseScope,
+    SsmLayerConfig,
+)
+from kvpool.errors import (
+    ArgumentError,
+    ConfigError,
+    CorruptedError,
+    KVPoolError,
+    LogicError,
+    OutOfPagesError,
+    StorageError,
+)
+from kvpool.manager import KVCacheManager
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgumentError",
+    "AttentionLayerConfig",
+    "BatchDesc",
+    "BufferConfig",
+    "CacheTier",
+    "ConfigError",
+    "CorruptedError",
+    "DiskCacheTierConfig",
+    "GpuCacheTierConfig",
+    "HostCacheTierConfig",
+    "KVCacheDesc",
+    "KVCacheManager",
+    "KVCacheManagerConfig",
+    "KVPoolError",
+    "LogicError",
+    "OutOfPagesError",
+    "ReuseScope",
+    "SsmLayerConfig",
+    "StorageError",
+    "__version__",
+]

@@ -1,0 +1,300 @@
+"""Configuration dataclasses (DESIGN section 4) and their validation.
+
+`KVCacheManagerConfig.validate()` checks everything a manager relies on before any memory is
+touched; each error names the offending field (as a path such as ``layers[2].buffers[0].size``),
+the bad value and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import NamedTuple, NoReturn
+
+from kvpool.errors import ConfigError
+
+
+class CacheTier(IntEnum):
+    """Kinds of cache level, warm to cold; a config lists its tiers in this order."""
+
+    GPU = 0
+    HOST = 1
+    DISK = 2
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """One per-block byte region of a layer (e.g. its keys), `size` bytes per token block."""
+
+    role: str
+    size: int
+
+
+@dataclass(frozen=True)
+class AttentionLayerConfig:
+    """An attention layer: full attention, or a sliding window of `sliding_window_size` tokens
+    that always keeps its first `num_sink_tokens` tokens."""
+
+    layer_id: int
+    buffers: Sequence[BufferConfig]
+    sliding_window_size: int | None = None
+    num_sink_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class SsmLayerConfig:
+    """A recurrent (SSM) layer: one state slot per request instead of one page per block."""
+
+    layer_id: int
+    buffers: Sequence[BufferConfig]
+
+
+LayerConfig = AttentionLayerConfig | SsmLayerConfig
+
+
+@dataclass(frozen=True)
+class GpuCacheTierConfig:
+    """Level 0: accelerator memory, `quota` bytes."""
+
+    quota: int
+
+    @property
+    def tier(self) -> CacheTier:
+        return CacheTier.GPU
+
+
+@dataclass(frozen=True)
+class HostCacheTierConfig:
+    """Host RAM, `quota` bytes."""
+
+    quota: int
+
+    @property
+    def tier(self) -> CacheTier:
+        return CacheTier.HOST
+
+
+@dataclass(frozen=True)
+class DiskCacheTierConfig:
+    """A disk level of `quota` bytes, stored in an unlinked file inside directory `path`."""
+
+    quota: int
+    path: str
+
+    @property
+    def tier(self) -> CacheTier:
+        return CacheTier.DISK
+
+
+CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
+
+
+class ReuseScope(NamedTuple):
+    """Requests reuse each other's blocks only within the same scope (LoRA adapter, salt)."""
+
+    lora_id: int | None = None
+    salt: int | bytes | str | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheDesc:
+    """The shape of one request: `capacity` tokens reserved, `history_length` already computed."""
+
+    capacity: int
+    history_length: int
+
+
+@dataclass(frozen=True)
+class BatchDesc:
+    """A batch of requests that run together; the first `system_prompt_length` tokens of every
+    request are a shared prompt (its full blocks are counted once)."""
+
+    kv_caches: Sequence[KVCacheDesc]
+    system_prompt_length: int = 0
+
+
+@dataclass
+class KVCacheManagerConfig:
+    """Everything a `KVCacheManager` needs to lay out and size its memory."""
+
+    tokens_per_block: int
+    cache_tiers: Sequence[CacheTierConfig]
+    layers: Sequence[LayerConfig]
+    max_util_for_resume: float = 0.97
+    enable_partial_reuse: bool = True
+    initial_pool_ratio: Sequence[float] | None = None
+    typical_step: BatchDesc | None = None
+    constraints: Sequence[BatchDesc] = field(default_factory=tuple)
+    rebalance_min_sampled_kv_caches: int = 2000
+    rebalance_cooldown_secs: float = 120.0
+    rebalance_target_ratio_update_interval: int = 100
+    rebalance_ratio_threshold: float = 1.25
+    rebalance_moving_average_decay: float = 0.9999
+
+    def validate(self) -> None:
+        """Raise `ConfigError` naming the first invalid field; return None when all is valid."""
+        _positive_int("tokens_per_block", self.tokens_per_block)
+        self._validate_tiers()
+        self._validate_layers()
+        self._validate_ratio()
+        if self.typical_step is not None:
+            _validate_batch("typical_step", self.typical_step)
+        for i, batch in enumerate(self.constraints):
+            _validate_batch(f"constraints[{i}]", batch)
+        self._validate_rebalance()
+        util = self.max_util_for_resume
+        if not _is_real(util) or math.isnan(util) or not 0.0 < util <= 1.0:
+            _fail("max_util_for_resume", util, "a number in (0, 1]")
+
+    def _validate_tiers(self) -> None:
+        if not self.cache_tiers:
+            _fail(
+                "cache_tiers", list(self.cache_tiers), "a non-empty list starting with the GPU tier"
+            )
+        previous: CacheTier | None = None
+        for i, tier_config in enumerate(self.cache_tiers):
+            name = f"cache_tiers[{i}]"
+            if not isinstance(
+                tier_config, GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
+            ):
+                _fail(
+                    name,
+                    tier_config,
+                    "a GpuCacheTierConfig, HostCacheTierConfig or DiskCacheTierConfig",
+                )
+            tier = tier_config.tier
+            if i == 0 and tier is not CacheTier.GPU:
+                _fail(name, tier_config, "a GpuCacheTierConfig (the first level is GPU memory)")
+            if previous is not None and tier <= previous:
+                _fail(name, tier_config, "tiers ordered GPU, host, disk with at most one of each")
+            previous = tier
+            _positive_int(f"{name}.quota", tier_config.quota)
+            if isinstance(tier_config, DiskCacheTierConfig) and not (
+                isinstance(tier_config.path, str | os.PathLike) and os.path.isdir(tier_config.path)
+            ):
+                _fail(f"{name}.path", tier_config.path, "an existing directory")
+
+    def _validate_layers(self) -> None:
+        if not self.layers:
+            _fail("layers", list(self.layers), "a non-empty list of layer configs")
+        seen_ids: dict[int, int] = {}
+        for i, layer in enumerate(self.layers):
+            name = f"layers[{i}]"
+            if not isinstance(layer, AttentionLayerConfig | SsmLayerConfig):
+                _fail(name, layer, "an AttentionLayerConfig or SsmLayerConfig")
+            if not _is_int(layer.layer_id) or layer.layer_id < 0:
+                _fail(f"{name}.layer_id", layer.layer_id, "an integer >= 0")
+            if layer.layer_id in seen_ids:
+                _fail(
+                    f"{name}.layer_id",
+                    layer.layer_id,
+                    f"unique (layers[{seen_ids[layer.layer_id]}] has the same id)",
+                )
+            seen_ids[layer.layer_id] = i
+            if not layer.buffers:
+                _fail(f"{name}.buffers", list(layer.buffers), "a non-empty list of BufferConfig")
+            roles: dict[str, int] = {}
+            for j, buffer in enumerate(layer.buffers):
+                bname = f"{name}.buffers[{j}]"
+                if not isinstance(buffer, BufferConfig):
+                    _fail(bname, buffer, "a BufferConfig")
+                if not isinstance(buffer.role, str) or not buffer.role:
+                    _fail(f"{bname}.role", buffer.role, "a non-empty string")
+                if buffer.role in roles:
+                    _fail(
+                        f"{bname}.role",
+                        buffer.role,
+                        f"unique within the layer ({name}.buffers[{roles[buffer.role]}] has it)",
+                    )
+                roles[buffer.role] = j
+                _positive_int(f"{bname}.size", buffer.size)
+            if isinstance(layer, AttentionLayerConfig):
+                window, sinks = layer.sliding_window_size, layer.num_sink_tokens
+                if window is not None:
+                    _positive_int(f"{name}.sliding_window_size", window)
+                if sinks is not None:
+                    if not _is_int(sinks) or sinks < 0:
+                        _fail(f"{name}.num_sink_tokens", sinks, "an integer >= 0")
+                    if sinks > 0 and window is None:
+                        _fail(
+                            f"{name}.num_sink_tokens",
+                            sinks,
+                            "0 or None when sliding_window_size is None (sinks need a window)",
+                        )
+
+    def _validate_ratio(self) -> None:
+        ratio = self.initial_pool_ratio
+        if ratio is None:
+            return
+        # Imported here: layout depends on this module.
+        from kvpool.layout import count_layer_groups
+
+        expected = count_layer_groups(self.layers, self.tokens_per_block)
+        if len(ratio) != expected:
+            _fail(
+                "initial_pool_ratio",
+                list(ratio),
+                f"one weight per layer group ({expected} values, got {len(ratio)})",
+            )
+        for i, weight in enumerate(ratio):
+            if not _is_real(weight) or not math.isfinite(weight) or weight <= 0:
+                _fail(f"initial_pool_ratio[{i}]", weight, "a finite number > 0")
+        total = math.fsum(ratio)
+        if abs(total - 1.0) > 1e-6:
+            _fail("initial_pool_ratio", list(ratio), f"weights summing to 1 (they sum to {total})")
+
+    def _validate_rebalance(self) -> None:
+        n = self.rebalance_min_sampled_kv_caches
+        if not _is_int(n) or n < 0:
+            _fail("rebalance_min_sampled_kv_caches", n, "an integer >= 0")
+        secs = self.rebalance_cooldown_secs
+        if not _is_real(secs) or not math.isfinite(secs) or secs < 0:
+            _fail("rebalance_cooldown_secs", secs, "a finite number >= 0")
+        _positive_int(
+            "rebalance_target_ratio_update_interval", self.rebalance_target_ratio_update_interval
+        )
+        t = self.rebalance_ratio_threshold
+        if not _is_real(t) or not math.isfinite(t) or t <= 1.0:
+            _fail("rebalance_ratio_threshold", t, "a finite number > 1")
+        decay = self.rebalance_moving_average_decay
+        if not _is_real(decay) or not 0.0 < decay < 1.0:
+            _fail("rebalance_moving_average_decay", decay, "a number in the open interval (0, 1)")
+
+
+def _validate_batch(name: str, batch: BatchDesc) -> None:
+    if not isinstance(batch, BatchDesc):
+        _fail(name, batch, "a BatchDesc")
+    if not _is_int(batch.system_prompt_length) or batch.system_prompt_length < 0:
+        _fail(f"{name}.system_prompt_length", batch.system_prompt_length, "an integer >= 0")
+    for i, desc in enumerate(batch.kv_caches):
+        dname = f"{name}.kv_caches[{i}]"
+        if not isinstance(desc, KVCacheDesc):
+            _fail(dname, desc, "a KVCacheDesc")
+        if not _is_int(desc.capacity) or desc.capacity < 0:
+            _fail(f"{dname}.capacity", desc.capacity, "an integer >= 0")
+        if not _is_int(desc.history_length) or not 0 <= desc.history_length <= desc.capacity:
+            _fail(
+                f"{dname}.history_length",
+                desc.history_length,
+                f"an integer in [0, {desc.capacity}]",
+            )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not _is_int(value) or value <= 0:  # type: ignore[operator]
+        _fail(name, value, "an integer >= 1")
+
+
+def _fail(name: str, value: object, allowed: str) -> NoReturn:
+    raise ConfigError(f"{name}={value!r} is invalid: must be {allowed}")

@@ -1,0 +1,319 @@
+"""The memory behind each cache level: host RAM, a disk file, or accelerator memory.
+
+Each pool of each level owns one `Memory` of `size` bytes that can be resized at run time:
+- `HostMemory` reserves address space once (anonymous private mmap), so growing only moves the
+  logical end and views stay valid; shrinking hands the resident pages past the cut back to the
+  OS with madvise(MADV_DONTNEED).
+- `DiskMemory` is an unlinked temporary file; growing reserves the disk blocks up front
+  (posix_fallocate), so "disk full" surfaces at resize time, not in the middle of an eviction.
+- `DeviceMemory` is torch CUDA memory when a GPU is present, else host memory with the same
+  interface. CUDA memory is reallocated on resize, so its addresses move: re-fetch views.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvpool.errors import ArgumentError, StorageError
+
+PAGE_SIZE = mmap.PAGESIZE
+# Not exported by Python 3.11's mmap module; the value is the same on every Linux architecture.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+
+Bytes = npt.NDArray[np.uint8]
+
+
+class Memory(ABC):
+    """A resizable byte range of one storage kind."""
+
+    kind: str
+
+    @property
+    @abstractmethod
+    def size(self) -> int:
+        """Current size in bytes."""
+
+    @abstractmethod
+    def resize(self, new_size: int) -> None:
+        """Change the size; bytes below min(old, new) keep their contents."""
+
+    @abstractmethod
+    def read(self, offset: int, nbytes: int) -> Bytes:
+        """A copy of `nbytes` bytes at `offset`."""
+
+    @abstractmethod
+    def write(self, offset: int, data: Bytes | bytes) -> None:
+        """Write `data` at `offset`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the memory (idempotent)."""
+
+    def _check_range(self, offset: int, nbytes: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ArgumentError(
+                f"offset={offset}, nbytes={nbytes} is invalid: the range must lie in "
+                f"[0, {self.size}) of this {self.kind} memory"
+            )
+
+
+def _check_size(name: str, value: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ArgumentError(f"{name}={value!r} is invalid: must be an integer >= 0")
+    if maximum is not None and value > maximum:
+        raise ArgumentError(f"{name}={value!r} is invalid: must be <= the reserved {maximum} bytes")
+
+
+class HostMemory(Memory):
+    """Host RAM: one anonymous mapping reserved at `max_size`; pages become resident on touch."""
+
+    kind = "host"
+
+    def __init__(self, size: int, max_size: int | None = None) -> None:
+        _check_size("size", size)
+        max_size = size if max_size is None else max_size
+        _check_size("max_size", max_size)
+        _check_size("size", size, max_size)
+        self._max_size = max_size
+        self._size = size
+        # MAP_NORESERVE: the reservation is address space only; memory is committed on touch.
+        self._map: mmap.mmap | None = mmap.mmap(
+            -1,
+            max(max_size, 1),
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+        self.array: Bytes = np.frombuffer(self._map, dtype=np.uint8, count=max_size)
+        """The whole reservation as a writable array; only [0, size) is in use."""
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def max_size(self) -> int:
+        return self._max_size
+
+    def resize(self, new_size: int) -> None:
+        _check_size("new_size", new_size, self._max_size)
+        if new_size < self._size and self._map is not None:
+            start = -(-new_size // PAGE_SIZE) * PAGE_SIZE
+            end = min(-(-self._size // PAGE_SIZE) * PAGE_SIZE, self._max_size)
+            if start < end:
+                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        self._size = new_size
+
+    def read(self, offset: int, nbytes: int) -> Bytes:
+        self._check_range(offset, nbytes)
+        return self.array[offset : offset + nbytes].copy()
+
+    def write(self, offset: int, data: Bytes | bytes) -> None:
+        source = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
+        self._check_range(offset, source.size)
+        self.array[offset : offset + source.size] = source
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        self.array = np.empty(0, dtype=np.uint8)
+        self._size = 0
+        # A caller may still hold a view: then the mapping goes when the last view is dropped.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+        self._map = None
+
+
+class DiskMemory(Memory):
+    """An unlinked file in `directory`, read and written with pread/pwrite at slot offsets."""
+
+    kind = "disk"
+
+    def __init__(self, directory: str | os.PathLike[str], size: int) -> None:
+        _check_size("size", size)
+        self.directory = os.fspath(directory)
+        if not os.path.isdir(self.directory):
+            raise ArgumentError(
+                f"directory={self.directory!r} is invalid: must be an existing directory"
+            )
+        try:
+            self._fd = os.open(self.directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError:
+            # Filesystems without O_TMPFILE: create a named file and unlink it at once.
+            self._fd, path = tempfile.mkstemp(dir=self.directory, prefix="kvpool-")
+            os.unlink(path)
+        self._size = 0
+        try:
+            self.resize(size)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def fileno(self) -> int:
+        return self._fd
+
+    def resize(self, new_size: int) -> None:
+        _check_size("new_size", new_size)
+        self._require_open()
+        if new_size > self._size:
+            try:
+                os.posix_fallocate(self._fd, self._size, new_size - self._size)
+            except OSError as error:
+                os.ftruncate(self._fd, self._size)
+                raise StorageError(
+                    error.errno,
+                    f"cannot grow the disk level in {self.directory} from {self._size} to "
+                    f"{new_size} bytes: {os.strerror(error.errno or errno.EIO)}",
+                ) from error
+        else:
+            os.ftruncate(self._fd, new_size)
+        self._size = new_size
+
+    def read(self, offset: int, nbytes: int) -> Bytes:
+        out = np.empty(nbytes, dtype=np.uint8)
+        self.readinto(offset, out)
+        return out
+
+    def readinto(self, offset: int, out: Bytes) -> None:
+        """Fill the contiguous array `out` from the file at `offset`."""
+        self._check_range(offset, out.nbytes)
+        self._require_open()
+        view = out.data.cast("B")
+        done = 0
+        while done < len(view):
+            try:
+                n = os.preadv(self._fd, [view[done:]], offset + done)
+            except OSError as error:
+                raise self._io_error("read", offset, len(view), error) from error
+            if n == 0:
+                raise StorageError(
+                    errno.EIO, f"unexpected end of the disk level file at {offset + done}"
+                )
+            done += n
+
+    def write(self, offset: int, data: Bytes | bytes) -> None:
+        view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
+        self._check_range(offset, len(view))
+        self._require_open()
+        done = 0
+        while done < len(view):
+            try:
+                done += os.pwrite(self._fd, view[done:], offset + done)
+            except OSError as error:
+                raise self._io_error("write", offset, len(view), error) from error
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._size = 0
+
+    def _require_open(self) -> None:
+        if self._fd < 0:
+            raise StorageError(errno.EBADF, "the disk level memory is closed")
+
+    def _io_error(self, op: str, offset: int, nbytes: int, error: OSError) -> StorageError:
+        code = error.errno or errno.EIO
+        return StorageError(
+            code,
+            f"disk level {op} of {nbytes} bytes at offset {offset} in {self.directory} failed: "
+            f"{os.strerror(code)}",
+        )
+
+
+def cuda_available() -> bool:
+    """True when torch is installed and sees a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+class DeviceMemory(Memory):
+    """Accelerator memory: a torch CUDA byte tensor, or `HostMemory` when there is no GPU."""
+
+    def __init__(self, size: int, max_size: int | None = None) -> None:
+        _check_size("size", size)
+        self._host: HostMemory | None = None
+        self._tensor: Any = None
+        if cuda_available():
+            import torch
+
+            self.kind = "cuda"
+            self._tensor = torch.empty(size, dtype=torch.uint8, device="cuda")
+        else:
+            self.kind = "host (no CUDA device)"
+            self._host = HostMemory(size, max_size)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self._host is None
+
+    @property
+    def host(self) -> HostMemory:
+        """The host memory standing in for the device (only when there is no GPU)."""
+        if self._host is None:
+            raise StorageError(errno.EINVAL, "device memory is CUDA memory, not host memory")
+        return self._host
+
+    @property
+    def tensor(self) -> Any:
+        """The CUDA byte tensor (only with a GPU; its address changes on resize)."""
+        if self._host is not None:
+            raise StorageError(errno.EINVAL, "device memory is host memory (no CUDA device)")
+        return self._tensor
+
+    @property
+    def size(self) -> int:
+        return self._host.size if self._host is not None else int(self._tensor.numel())
+
+    def resize(self, new_size: int) -> None:
+        _check_size("new_size", new_size)
+        if self._host is not None:
+            self._host.resize(new_size)
+            return
+        import torch
+
+        old = self._tensor
+        keep = min(new_size, int(old.numel()))
+        if keep == new_size:
+            self._tensor = old[:new_size].clone()
+        else:
+            self._tensor = torch.empty(new_size, dtype=torch.uint8, device=old.device)
+            self._tensor[:keep].copy_(old[:keep])
+
+    def read(self, offset: int, nbytes: int) -> Bytes:
+        if self._host is not None:
+            return self._host.read(offset, nbytes)
+        self._check_range(offset, nbytes)
+        result: Bytes = self._tensor[offset : offset + nbytes].cpu().numpy()
+        return result
+
+    def write(self, offset: int, data: Bytes | bytes) -> None:
+        if self._host is not None:
+            self._host.write(offset, data)
+            return
+        import torch
+
+        source = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
+        self._check_range(offset, source.size)
+        self._tensor[offset : offset + source.size].copy_(torch.from_numpy(source.copy()))
+
+    def close(self) -> None:
+        if self._host is not None:
+            self._host.close()
+        self._tensor = None
