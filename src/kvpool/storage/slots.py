@@ -1,7 +1,8 @@
 """SlotAllocator: hands out the slot ids of one pool group at one level (DESIGN section 3).
 
 Fresh ids are issued sequentially, so `num_active_slots` is a high-water mark: ids below it are
-occupied, recycled (free, FIFO) or overflow (free, scheduled for removal by a shrink). A shrink is
+occupied, recycled (free, FIFO), waiting (free, but its last use, e.g. a copy, may still run) or
+overflow (free, scheduled for removal by a shrink). A shrink is
 two-phase: `prepare_for_shrink(n)` stops issuing ids >= n and parks freed ones in overflow;
 `finish_shrink()` succeeds once every issued id >= n is back, i.e. when
 ``len(overflow) == max(0, num_active_slots - n)``. The ``max(0, ...)`` lets a pool whose high-water
@@ -55,10 +56,11 @@ class SlotAllocator:
         self._target = capacity
         self._num_active = 0
         self._recycled: deque[int] = deque()
+        self._waiting: deque[int] = deque()
         self._overflow: list[int] = []
         self._occupied = bytearray(capacity)
         self._num_occupied = 0
-        # Free ids whose last use (a copy, a kernel) may still be running.
+        # Ready events of free ids (waiting or overflow) whose last use may still be running.
         self._pending: dict[int, ReadyEvent] = {}
 
     # -- queries ---------------------------------------------------------------------------------
@@ -80,7 +82,7 @@ class SlotAllocator:
     @property
     def num_free_slots(self) -> int:
         """Slots `allocate()` can hand out now (ids below the target capacity)."""
-        return len(self._recycled) + max(self._target - self._num_active, 0)
+        return len(self._recycled) + len(self._waiting) + max(self._target - self._num_active, 0)
 
     @property
     def num_occupied_slots(self) -> int:
@@ -115,16 +117,19 @@ class SlotAllocator:
     # -- allocation ------------------------------------------------------------------------------
 
     def allocate(self) -> Slot:
-        """One free slot: a ready recycled id, else a fresh id, else a recycled id whose
+        """One free slot: a ready recycled id, else a fresh id, else a waiting id whose
         `ready_event` the caller must wait on. Raises `OutOfPagesError` when none is free."""
-        recycled = self._recycled
-        if recycled and self._is_ready(recycled[0]):
-            slot_id = recycled.popleft()
+        waiting = self._waiting
+        while waiting and self._pending[waiting[0]].is_set():
+            del self._pending[waiting[0]]
+            self._recycled.append(waiting.popleft())
+        if self._recycled:
+            slot_id = self._recycled.popleft()
         elif self._num_active < self._target:
             slot_id = self._num_active
             self._num_active += 1
-        elif recycled:
-            slot_id = recycled.popleft()
+        elif waiting:
+            slot_id = waiting.popleft()
         else:
             raise OutOfPagesError(
                 f"no free slot: all {self._target} slots below the target capacity are occupied"
@@ -154,23 +159,18 @@ class SlotAllocator:
         self._num_occupied -= 1
         slot.released = True
         event = ready_event if ready_event is not None else slot.ready_event
+        in_use = False
         if event is not None and not event.is_set():
             self._pending[slot_id] = event
-        if slot_id < self._target:
-            self._recycled.append(slot_id)
-        else:
+            in_use = True
+        if slot_id >= self._target:
             self._overflow.append(slot_id)
+        elif in_use:
+            self._waiting.append(slot_id)
+        else:
+            self._recycled.append(slot_id)
         if _debug.DEBUG:
             self.check_invariants()
-
-    def _is_ready(self, slot_id: int) -> bool:
-        event = self._pending.get(slot_id)
-        if event is None:
-            return True
-        if event.is_set():
-            del self._pending[slot_id]
-            return True
-        return False
 
     # -- resizing --------------------------------------------------------------------------------
 
@@ -180,10 +180,11 @@ class SlotAllocator:
         if self.shrink_in_progress:
             raise LogicError(f"a shrink to {self._target} is already in progress")
         _check_int("new_capacity", new_capacity, 0, self._capacity - 1)
-        kept: deque[int] = deque()
-        for slot_id in self._recycled:
-            (kept if slot_id < new_capacity else self._overflow).append(slot_id)
-        self._recycled = kept
+        for name in ("_recycled", "_waiting"):
+            kept: deque[int] = deque()
+            for slot_id in getattr(self, name):
+                (kept if slot_id < new_capacity else self._overflow).append(slot_id)
+            setattr(self, name, kept)
         self._target = new_capacity
         if _debug.DEBUG:
             self.check_invariants()
@@ -216,7 +217,8 @@ class SlotAllocator:
         """Abandon the scheduled shrink: overflow ids become free again."""
         if not self.shrink_in_progress:
             raise LogicError("cancel_shrink() without prepare_for_shrink()")
-        self._recycled.extend(self._overflow)
+        for slot_id in self._overflow:
+            (self._waiting if slot_id in self._pending else self._recycled).append(slot_id)
         self._overflow.clear()
         self._target = self._capacity
         if _debug.DEBUG:
@@ -249,10 +251,10 @@ class SlotAllocator:
             )
         if occupied[active:].any():
             problems.append("an id at or above the high-water mark is occupied")
-        recycled = np.fromiter(self._recycled, dtype=np.int64, count=len(self._recycled))
+        recycled = np.array([*self._recycled, *self._waiting], dtype=np.int64)
         overflow = np.array(self._overflow, dtype=np.int64)
         if recycled.size and (recycled.min() < 0 or recycled.max() >= min(target, active)):
-            problems.append("a recycled id is outside [0, min(target, high-water))")
+            problems.append("a recycled or waiting id is outside [0, min(target, high-water))")
         if overflow.size and (overflow.min() < target or overflow.max() >= min(capacity, active)):
             problems.append("an overflow id is outside [target, min(capacity, high-water))")
         free = np.concatenate([recycled, overflow])
@@ -260,11 +262,13 @@ class SlotAllocator:
             problems.append("an id is free twice")
         elif free.size and occupied[free[free < capacity]].any():
             problems.append("an id is both free and occupied")
-        if len(self._recycled) + len(self._overflow) + self._num_occupied != active:
+        if recycled.size + overflow.size + self._num_occupied != active:
             problems.append(
-                f"recycled {len(self._recycled)} + overflow {len(self._overflow)} + occupied "
+                f"recycled+waiting {recycled.size} + overflow {overflow.size} + occupied "
                 f"{self._num_occupied} != high-water mark {active}"
             )
+        if any(slot_id not in self._pending for slot_id in self._waiting):
+            problems.append("a waiting id has no ready event")
         if any(self.is_occupied(slot_id) for slot_id in self._pending):
             problems.append("an occupied id has a pending release event")
         if problems:

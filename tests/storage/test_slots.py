@@ -1,0 +1,365 @@
+"""SlotAllocator: allocation, release, scheduled shrink and expand (DESIGN sections 3-4)."""
+
+import threading
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvpool import _debug
+from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
+from kvpool.storage import SlotAllocator
+
+
+def test_debug_checks_are_on():
+    assert _debug.DEBUG, "tests must run with KVPOOL_DEBUG=1"
+
+
+def test_shrink_underused_pool():
+    """NVBug 6225866: a pool whose high-water mark is below the new size shrinks at once."""
+    allocator = SlotAllocator(184064)
+    slots = allocator.allocate_multiple(2048)
+    assert [s.slot_id for s in slots] == list(range(2048))
+    for slot in slots:
+        allocator.release(slot)
+    assert allocator.num_active_slots == 2048
+    allocator.prepare_for_shrink(122624)
+    assert allocator.num_overflow_slots == 0
+    assert allocator.finish_shrink() is True
+    assert allocator.capacity == 122624
+    assert allocator.num_active_slots == 2048
+    assert not allocator.shrink_in_progress
+
+
+def test_shrink_touched_pool():
+    """The migration path: every freed id above the new size goes to overflow first."""
+    allocator = SlotAllocator(16)
+    slots = allocator.allocate_multiple(16)
+    for slot in slots[8:]:
+        allocator.release(slot)
+    allocator.prepare_for_shrink(8)
+    assert allocator.num_overflow_slots == 8
+    assert allocator.finish_shrink() is True
+    assert allocator.capacity == 8
+    assert allocator.num_active_slots == 8
+    for slot in slots[:8]:
+        allocator.release(slot)
+    assert allocator.num_free_slots == 8
+    assert allocator.num_occupied_slots == 0
+    allocator.check_invariants()
+
+
+def test_finish_shrink_refused_while_removed_range_is_occupied():
+    allocator = SlotAllocator(8)
+    slots = allocator.allocate_multiple(8)
+    allocator.release(slots[1])
+    allocator.prepare_for_shrink(4)
+    with pytest.raises(LogicError, match=r"2 slot\(s\).*\(5, 7\)") as refused:
+        allocator.release(slots[4])
+        allocator.release(slots[6])
+        allocator.finish_shrink()
+    assert "release them first" in str(refused.value)
+    # Refusal changed nothing: still shrinking, same capacity, same overflow.
+    assert allocator.shrink_in_progress
+    assert allocator.capacity == 8
+    assert allocator.num_overflow_slots == 2
+    assert allocator.get_slots_blocking_shrink() == [5, 7]
+    # Ids above the target are no longer issued: only the freed id 1 is left.
+    assert allocator.allocate().slot_id == 1
+    with pytest.raises(OutOfPagesError):
+        allocator.allocate()
+    allocator.release(slots[5])
+    allocator.release(slots[7])
+    assert allocator.num_overflow_slots == 4
+    assert allocator.finish_shrink() is True
+    assert allocator.capacity == 4
+    assert allocator.num_active_slots == 4
+    assert allocator.num_occupied_slots == 4
+
+
+@pytest.mark.parametrize("high_water", [3, 5, 8])
+def test_shrink_with_high_water_below_equal_above_new_size(high_water):
+    allocator = SlotAllocator(10)
+    for slot in allocator.allocate_multiple(high_water):
+        allocator.release(slot)
+    allocator.prepare_for_shrink(5)
+    assert allocator.num_overflow_slots == max(0, high_water - 5)
+    assert allocator.finish_shrink()
+    assert (allocator.capacity, allocator.num_active_slots) == (5, min(high_water, 5))
+    assert allocator.num_free_slots == 5
+    assert sorted(s.slot_id for s in allocator.allocate_multiple(5)) == [0, 1, 2, 3, 4]
+
+
+def test_shrink_to_zero():
+    allocator = SlotAllocator(4)
+    for slot in allocator.allocate_multiple(4):
+        allocator.release(slot)
+    allocator.prepare_for_shrink(0)
+    assert allocator.num_free_slots == 0
+    assert allocator.finish_shrink()
+    assert (allocator.capacity, allocator.num_active_slots, allocator.num_free_slots) == (0, 0, 0)
+    with pytest.raises(OutOfPagesError):
+        allocator.allocate()
+    allocator.expand(2)
+    assert [s.slot_id for s in allocator.allocate_multiple(2)] == [0, 1]
+
+
+def test_expand_after_shrink_issues_fresh_ids():
+    allocator = SlotAllocator(6)
+    slots = allocator.allocate_multiple(6)
+    for slot in slots[3:]:
+        allocator.release(slot)
+    allocator.prepare_for_shrink(3)
+    allocator.finish_shrink()
+    allocator.expand(5)
+    assert (allocator.capacity, allocator.target_capacity, allocator.num_free_slots) == (5, 5, 2)
+    assert [s.slot_id for s in allocator.allocate_multiple(2)] == [3, 4]
+    with pytest.raises(OutOfPagesError):
+        allocator.allocate()
+
+
+def test_repeated_shrink_expand_cycles_keep_held_slots():
+    allocator = SlotAllocator(32)
+    held = {s.slot_id: s for s in allocator.allocate_multiple(4)}
+    for cycle in range(20):
+        extra = allocator.allocate_multiple(allocator.num_free_slots)
+        for slot in extra:
+            allocator.release(slot)
+        allocator.prepare_for_shrink(4 + cycle % 3)
+        allocator.finish_shrink()
+        allocator.expand(32 + cycle)
+        assert allocator.num_occupied_slots == 4
+        assert all(allocator.is_occupied(i) for i in held)
+    assert allocator.num_free_slots == allocator.capacity - 4
+
+
+def test_release_of_overflow_range_id_during_shrink():
+    allocator = SlotAllocator(4)
+    slots = allocator.allocate_multiple(4)
+    allocator.prepare_for_shrink(2)
+    allocator.release(slots[3])
+    assert allocator.num_overflow_slots == 1
+    assert allocator.num_free_slots == 0
+    allocator.release(slots[0])
+    assert allocator.num_free_slots == 1
+    assert allocator.allocate().slot_id == 0
+
+
+def test_cancel_shrink_frees_overflow_again():
+    allocator = SlotAllocator(4)
+    slots = allocator.allocate_multiple(4)
+    allocator.release(slots[3])
+    allocator.prepare_for_shrink(2)
+    assert allocator.num_free_slots == 0
+    allocator.cancel_shrink()
+    assert not allocator.shrink_in_progress
+    assert allocator.allocate().slot_id == 3
+
+
+def test_double_release_names_the_slot():
+    allocator = SlotAllocator(4)
+    slot = allocator.allocate()
+    allocator.release(slot)
+    with pytest.raises(LogicError, match="slot 0 was already released"):
+        allocator.release(slot)
+    # A stale handle must not free the id's next owner.
+    again = allocator.allocate()
+    assert again.slot_id == 0
+    with pytest.raises(LogicError, match="slot 0 was already released"):
+        allocator.release(slot)
+    assert allocator.is_occupied(0)
+
+
+def test_release_of_a_foreign_slot_names_it():
+    allocator = SlotAllocator(4)
+    foreign = SlotAllocator(8).allocate_multiple(6)[-1]
+    with pytest.raises(LogicError, match="slot 5 is not occupied"):
+        allocator.release(foreign)
+
+
+def test_allocate_with_no_free_slot_raises_out_of_pages():
+    allocator = SlotAllocator(2)
+    allocator.allocate_multiple(2)
+    with pytest.raises(OutOfPagesError, match="no free slot"):
+        allocator.allocate()
+
+
+def test_allocate_multiple_is_all_or_none():
+    allocator = SlotAllocator(5)
+    allocator.allocate_multiple(2)
+    with pytest.raises(OutOfPagesError, match="need 4 free slots, only 3"):
+        allocator.allocate_multiple(4)
+    assert allocator.num_occupied_slots == 2
+    assert allocator.num_free_slots == 3
+    assert len(allocator.allocate_multiple(3)) == 3
+
+
+def test_recycled_ids_are_reused_first_in_fifo_order():
+    allocator = SlotAllocator(8)
+    slots = allocator.allocate_multiple(4)
+    allocator.release(slots[2])
+    allocator.release(slots[0])
+    assert [allocator.allocate().slot_id for _ in range(3)] == [2, 0, 4]
+
+
+def test_slot_still_in_use_is_handed_out_last_with_its_event():
+    allocator = SlotAllocator(3)
+    a, b = allocator.allocate_multiple(2)
+    copy_done = threading.Event()
+    allocator.release(a, ready_event=copy_done)
+    allocator.release(b)  # b's last use is over
+    # a's copy is still running: prefer the ready recycled id b, then the fresh id.
+    assert allocator.allocate().slot_id == b.slot_id
+    assert allocator.allocate().slot_id == 2
+    waiting = allocator.allocate()
+    assert waiting.slot_id == a.slot_id
+    assert waiting.ready_event is copy_done
+    copy_done.set()
+    allocator.release(waiting)
+    assert allocator.allocate().ready_event is None
+
+
+def test_finish_shrink_waits_for_overflow_events():
+    allocator = SlotAllocator(2)
+    low, high = allocator.allocate_multiple(2)
+    event = threading.Event()
+    allocator.release(high, ready_event=event)
+    allocator.prepare_for_shrink(1)
+    threading.Timer(0.05, event.set).start()
+    assert allocator.finish_shrink()
+    assert event.is_set()
+    allocator.release(low)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda a: a.prepare_for_shrink(8), r"new_capacity=8 is invalid: must be an integer in \[0, 7\]"),
+        (lambda a: a.prepare_for_shrink(-1), r"new_capacity=-1 is invalid"),
+        (lambda a: a.expand(8), r"new_capacity=8 is invalid: must be an integer >= 9"),
+        (lambda a: a.allocate_multiple(-2), r"count=-2 is invalid: must be an integer >= 0"),
+        (lambda a: a.expand(True), r"new_capacity=True is invalid"),
+    ],
+)
+def test_bad_arguments_name_the_argument_and_change_nothing(call, message):
+    allocator = SlotAllocator(8)
+    allocator.allocate_multiple(3)
+    with pytest.raises(ArgumentError, match=message):
+        call(allocator)
+    assert (allocator.capacity, allocator.target_capacity, allocator.num_free_slots) == (8, 8, 5)
+
+
+def test_state_errors():
+    with pytest.raises(ArgumentError, match="capacity=-1"):
+        SlotAllocator(-1)
+    allocator = SlotAllocator(4)
+    with pytest.raises(LogicError, match="without prepare_for_shrink"):
+        allocator.finish_shrink()
+    allocator.prepare_for_shrink(2)
+    with pytest.raises(LogicError, match="already in progress"):
+        allocator.prepare_for_shrink(1)
+    with pytest.raises(LogicError, match="while a shrink"):
+        allocator.expand(10)
+
+
+class AllocatorModel(RuleBasedStateMachine):
+    """Random allocate/release/shrink/expand against a set-based model."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocator = SlotAllocator(12)
+        self.capacity = 12
+        self.target = 12
+        self.held = {}  # slot id -> Slot
+        self.ever_issued = set()
+
+    def _model_free(self):
+        ever = {i for i in self.ever_issued if i < self.capacity}
+        fresh = max(0, self.target - max(ever, default=-1) - 1) if ever else self.target
+        recycled = {i for i in ever if i < self.target and i not in self.held}
+        return len(recycled) + fresh
+
+    @rule()
+    def allocate(self):
+        if self.allocator.num_free_slots == 0:
+            try:
+                self.allocator.allocate()
+            except OutOfPagesError:
+                return
+            raise AssertionError("allocate succeeded with no free slot")
+        slot = self.allocator.allocate()
+        assert slot.slot_id not in self.held, f"id {slot.slot_id} handed out twice"
+        assert 0 <= slot.slot_id < self.target
+        self.held[slot.slot_id] = slot
+        self.ever_issued.add(slot.slot_id)
+
+    @rule(count=st.integers(0, 6))
+    def allocate_multiple(self, count):
+        free = self.allocator.num_free_slots
+        if count > free:
+            try:
+                self.allocator.allocate_multiple(count)
+            except OutOfPagesError:
+                assert self.allocator.num_free_slots == free
+                return
+            raise AssertionError("allocate_multiple over-allocated")
+        for slot in self.allocator.allocate_multiple(count):
+            assert slot.slot_id not in self.held
+            self.held[slot.slot_id] = slot
+            self.ever_issued.add(slot.slot_id)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def release(self, data):
+        slot_id = data.draw(st.sampled_from(sorted(self.held)))
+        self.allocator.release(self.held.pop(slot_id))
+
+    @precondition(lambda self: self.target == self.capacity and self.capacity > 0)
+    @rule(data=st.data())
+    def prepare_for_shrink(self, data):
+        n = data.draw(st.integers(0, self.capacity - 1))
+        self.allocator.prepare_for_shrink(n)
+        self.target = n
+
+    @precondition(lambda self: self.target < self.capacity)
+    @rule()
+    def finish_shrink(self):
+        blocking = sorted(i for i in self.held if i >= self.target)
+        if blocking:
+            try:
+                self.allocator.finish_shrink()
+            except LogicError:
+                assert self.allocator.get_slots_blocking_shrink() == blocking
+                return
+            raise AssertionError("finish_shrink succeeded with occupied ids above the target")
+        assert self.allocator.finish_shrink()
+        self.capacity = self.target
+        self.ever_issued = {i for i in self.ever_issued if i < self.capacity}
+
+    @precondition(lambda self: self.target < self.capacity)
+    @rule()
+    def cancel_shrink(self):
+        self.allocator.cancel_shrink()
+        self.target = self.capacity
+
+    @precondition(lambda self: self.target == self.capacity)
+    @rule(grow=st.integers(1, 8))
+    def expand(self, grow):
+        self.allocator.expand(self.capacity + grow)
+        self.capacity = self.target = self.capacity + grow
+
+    @invariant()
+    def accounting(self):
+        a = self.allocator
+        assert a.num_free_slots + a.num_overflow_slots + a.num_occupied_slots - max(
+            0, a.target_capacity - a.num_active_slots
+        ) == a.num_active_slots, "recycled + overflow + occupied != num_active_slots"
+        assert a.num_occupied_slots == len(self.held)
+        assert (a.capacity, a.target_capacity) == (self.capacity, self.target)
+        assert a.num_free_slots == self._model_free()
+        a.check_invariants()
+
+
+AllocatorModel.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestAllocatorModel = AllocatorModel.TestCase
