@@ -235,7 +235,10 @@ def test_finish_shrink_waits_for_overflow_events():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda a: a.prepare_for_shrink(8), r"new_capacity=8 is invalid: must be an integer in \[0, 7\]"),
+        (
+            lambda a: a.prepare_for_shrink(8),
+            r"new_capacity=8 is invalid: must be an integer in \[0, 7\]",
+        ),
         (lambda a: a.prepare_for_shrink(-1), r"new_capacity=-1 is invalid"),
         (lambda a: a.expand(8), r"new_capacity=8 is invalid: must be an integer >= 9"),
         (lambda a: a.allocate_multiple(-2), r"count=-2 is invalid: must be an integer >= 0"),
@@ -352,9 +355,13 @@ class AllocatorModel(RuleBasedStateMachine):
     @invariant()
     def accounting(self):
         a = self.allocator
-        assert a.num_free_slots + a.num_overflow_slots + a.num_occupied_slots - max(
-            0, a.target_capacity - a.num_active_slots
-        ) == a.num_active_slots, "recycled + overflow + occupied != num_active_slots"
+        assert (
+            a.num_free_slots
+            + a.num_overflow_slots
+            + a.num_occupied_slots
+            - max(0, a.target_capacity - a.num_active_slots)
+            == a.num_active_slots
+        ), "recycled + overflow + occupied != num_active_slots"
         assert a.num_occupied_slots == len(self.held)
         assert (a.capacity, a.target_capacity) == (self.capacity, self.target)
         assert a.num_free_slots == self._model_free()
