@@ -38,7 +38,7 @@ def test_stale_range_examples():
     assert swa.stale_range(81, 16) == (1, 1)  # window [18, 81]: block 1 holds token 18
     assert swa.stale_range(95, 16) == (1, 2)  # window [32, 95]: block 1 is stale, block 0 is a sink
     assert SsmLifeCycle().stale_range(50, 16) == (0, 3)
-    assert AttentionLifeCycle(None, 0).stale_range(1000, 16) == (63, 63)
+    assert AttentionLifeCycle(None, 0).stale_range(1000, 16) == (0, 0)
 
 
 def test_equal_sizes_different_windows_share_one_pool_group():
