@@ -189,8 +189,8 @@ class DiskMemory(Memory):
 
     def readinto(self, offset: int, out: Bytes) -> None:
         """Fill the contiguous array `out` from the file at `offset`."""
-        self._check_range(offset, out.nbytes)
         self._require_open()
+        self._check_range(offset, out.nbytes)
         view = out.data.cast("B")
         done = 0
         while done < len(view):
@@ -206,8 +206,8 @@ class DiskMemory(Memory):
 
     def write(self, offset: int, data: Bytes | bytes) -> None:
         view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
-        self._check_range(offset, len(view))
         self._require_open()
+        self._check_range(offset, len(view))
         done = 0
         while done < len(view):
             try:
@@ -279,7 +279,9 @@ class DeviceMemory(Memory):
 
     @property
     def size(self) -> int:
-        return self._host.size if self._host is not None else int(self._tensor.numel())
+        if self._host is not None:
+            return self._host.size
+        return 0 if self._tensor is None else int(self._tensor.numel())
 
     def resize(self, new_size: int) -> None:
         _check_size("new_size", new_size)

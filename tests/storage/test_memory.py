@@ -1,0 +1,214 @@
+"""Memories: host (mmap), disk (unlinked file), device (CUDA or host fallback)."""
+
+import errno
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from kvpool.errors import ArgumentError, StorageError
+from kvpool.storage import DeviceMemory, DiskMemory, HostMemory
+from kvpool.storage.memory import cuda_available
+
+MiB = 1 << 20
+
+
+def resident_bytes(array):
+    """Resident bytes of the mapping that starts at `array`'s first byte (from /proc/self/smaps)."""
+    start = array.ctypes.data
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                inside = int(first.split("-")[0], 16) == start
+            elif inside and first == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("mapping not found in /proc/self/smaps")
+
+
+def test_host_memory_keeps_data_below_the_cut_and_views_stay_valid():
+    memory = HostMemory(8 * MiB, max_size=32 * MiB)
+    view = memory.array
+    address = view.ctypes.data
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, 8 * MiB, dtype=np.uint8)
+    view[: 8 * MiB] = data
+    memory.resize(3 * MiB + 123)
+    assert memory.size == 3 * MiB + 123
+    assert np.array_equal(memory.read(0, 3 * MiB + 123), data[: 3 * MiB + 123])
+    memory.resize(32 * MiB)
+    assert memory.array is view and memory.array.ctypes.data == address
+    assert np.array_equal(view[: 3 * MiB + 123], data[: 3 * MiB + 123])
+    # Whole pages past the cut were handed back: they read as zeros now.
+    assert not view[4 * MiB : 8 * MiB].any()
+    memory.close()
+
+
+def test_host_memory_shrink_returns_resident_memory():
+    memory = HostMemory(64 * MiB)
+    assert resident_bytes(memory.array) < MiB  # reserved, not touched
+    memory.array[:] = 7
+    assert resident_bytes(memory.array) >= 63 * MiB
+    memory.resize(16 * MiB)
+    resident = resident_bytes(memory.array)
+    assert 15 * MiB <= resident <= 17 * MiB
+    assert (memory.array[: 16 * MiB] == 7).all()
+    memory.resize(0)
+    assert resident_bytes(memory.array) < MiB
+    memory.close()
+
+
+def test_host_memory_rejects_bad_sizes_and_ranges():
+    with pytest.raises(ArgumentError, match="size=-1 is invalid"):
+        HostMemory(-1)
+    memory = HostMemory(MiB, max_size=2 * MiB)
+    with pytest.raises(
+        ArgumentError, match="new_size=4194304 is invalid: must be <= the reserved 2097152"
+    ):
+        memory.resize(4 * MiB)
+    assert memory.size == MiB
+    with pytest.raises(ArgumentError, match=r"offset=1048570, nbytes=10 is invalid"):
+        memory.write(MiB - 6, bytes(10))
+    memory.close()
+    memory.close()  # idempotent
+
+
+def test_disk_memory_round_trip_and_the_file_is_unlinked(tmp_path):
+    memory = DiskMemory(tmp_path, 4 * MiB)
+    assert list(tmp_path.iterdir()) == []  # O_TMPFILE (or mkstemp + unlink): no name on disk
+    assert os.fstat(memory.fileno).st_size == 4 * MiB
+    rng = np.random.default_rng(2)
+    blocks = {
+        offset: rng.integers(0, 256, 4096, dtype=np.uint8) for offset in (0, 8192, 4 * MiB - 4096)
+    }
+    for offset, data in blocks.items():
+        memory.write(offset, data)
+    for offset, data in blocks.items():
+        assert np.array_equal(memory.read(offset, 4096), data)
+    memory.resize(MiB)
+    assert os.fstat(memory.fileno).st_size == MiB
+    memory.resize(2 * MiB)
+    assert np.array_equal(memory.read(8192, 4096), blocks[8192])
+    assert not memory.read(MiB, 4096).any()
+    with pytest.raises(ArgumentError, match="must lie in"):
+        memory.read(2 * MiB - 10, 4096)
+    memory.close()
+    with pytest.raises(StorageError, match="closed"):
+        memory.read(0, 16)
+
+
+def test_disk_memory_falls_back_to_mkstemp_without_o_tmpfile(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_tmpfile(path, flags, *args):
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, "not supported")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    memory = DiskMemory(tmp_path, MiB)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+    memory.write(100, b"kvpool")
+    assert memory.read(100, 6).tobytes() == b"kvpool"
+    memory.close()
+
+
+def test_disk_write_error_is_clear_and_keeps_previous_contents(tmp_path, monkeypatch):
+    memory = DiskMemory(tmp_path, MiB)
+    memory.write(0, b"A" * 4096)
+    memory.write(4096, b"B" * 4096)
+
+    def failing_pwrite(fd, data, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "pwrite", failing_pwrite)
+    with pytest.raises(
+        StorageError, match=r"disk level write of 4096 bytes at offset 8192 .* Input/output error"
+    ) as caught:
+        memory.write(8192, b"C" * 4096)
+    assert caught.value.errno == errno.EIO
+    monkeypatch.undo()
+    assert memory.read(0, 4096).tobytes() == b"A" * 4096
+    assert memory.read(4096, 4096).tobytes() == b"B" * 4096
+    memory.write(8192, b"C" * 4096)  # still usable
+    assert memory.read(8192, 4096).tobytes() == b"C" * 4096
+    memory.close()
+
+
+def test_disk_write_retries_short_writes(tmp_path, monkeypatch):
+    memory = DiskMemory(tmp_path, MiB)
+    real_pwrite = os.pwrite
+    calls = []
+
+    def short_pwrite(fd, data, offset):
+        calls.append(len(data))
+        return real_pwrite(fd, bytes(data)[:1000], offset)
+
+    monkeypatch.setattr(os, "pwrite", short_pwrite)
+    memory.write(0, b"x" * 4096)
+    monkeypatch.undo()
+    assert calls == [4096, 3096, 2096, 1096, 96]
+    assert memory.read(0, 4096).tobytes() == b"x" * 4096
+    memory.close()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 256 KiB tmpfs, when this machine lets us mount one (root)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_disk_full_is_a_clear_error_and_nothing_changes(tiny_tmpfs):
+    memory = DiskMemory(tiny_tmpfs, 128 * 1024)
+    memory.write(0, b"K" * 128 * 1024)
+    with pytest.raises(
+        StorageError, match=r"cannot grow the disk level .* No space left on device"
+    ) as caught:
+        memory.resize(4 * MiB)
+    assert caught.value.errno == errno.ENOSPC
+    assert memory.size == 128 * 1024
+    assert os.fstat(memory.fileno).st_size == 128 * 1024
+    assert memory.read(0, 128 * 1024).tobytes() == b"K" * 128 * 1024
+    with pytest.raises(StorageError, match="No space left on device"):
+        DiskMemory(tiny_tmpfs, MiB)
+    memory.close()
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the host fallback")
+def test_device_memory_without_cuda_is_host_memory():
+    memory = DeviceMemory(MiB, max_size=4 * MiB)
+    assert not memory.is_cuda
+    assert "no CUDA" in memory.kind
+    assert isinstance(memory.host, HostMemory)
+    with pytest.raises(StorageError, match="host memory"):
+        memory.tensor  # noqa: B018
+    memory.write(10, b"device")
+    memory.resize(4 * MiB)
+    assert memory.read(10, 6).tobytes() == b"device"
+    memory.close()
+
+
+@pytest.mark.skipif(not cuda_available(), reason="needs torch with a CUDA device")
+def test_device_memory_on_cuda():
+    memory = DeviceMemory(MiB)
+    assert memory.is_cuda and memory.tensor.is_cuda
+    memory.write(10, b"device")
+    memory.resize(4 * MiB)
+    assert memory.size == 4 * MiB
+    assert memory.read(10, 6).tobytes() == b"device"
+    memory.resize(16)
+    assert memory.read(10, 6).tobytes() == b"device"
+    memory.close()
