@@ -130,14 +130,6 @@ def test_slot_counts_never_exceed_quota_and_respect_floors():
             )
 
 
-def host_level(
-    quota=1000, sizes=((64,), (128, 32)), ratio=(0.5, 0.5), floors=(1, 1), granularity=64
-):
-    return LevelStorage(
-        CacheTier.HOST, quota * granularity // 100, sizes, ratio, floors, granularity=granularity
-    )
-
-
 def test_level_storage_sizes_pools_and_reports_ratio():
     level = LevelStorage(
         CacheTier.HOST, 64 * 1024, [(64,), (128, 32)], [0.5, 0.5], [1, 1], granularity=1024
