@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool import _debug
-from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
+from kvpool.errors import ArgumentError, CorruptedError, LogicError, OutOfPagesError
 from kvpool.storage import SlotAllocator
 
 
@@ -370,3 +370,56 @@ class AllocatorModel(RuleBasedStateMachine):
 
 AllocatorModel.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestAllocatorModel = AllocatorModel.TestCase
+
+
+def test_waiting_slot_whose_use_finished_is_recycled_before_fresh_ids():
+    allocator = SlotAllocator(4)
+    first, second = allocator.allocate_multiple(2)
+    done_later = threading.Event()
+    done_soon = threading.Event()
+    allocator.release(first, ready_event=done_soon)
+    allocator.release(second, ready_event=done_later)
+    done_soon.set()
+    promoted = allocator.allocate()
+    assert (promoted.slot_id, promoted.ready_event) == (first.slot_id, None)
+    assert allocator.allocate().slot_id == 2  # second is still in use: a fresh id instead
+    allocator.check_invariants()
+
+
+def test_release_uses_the_slots_own_ready_event():
+    allocator = SlotAllocator(2)
+    slot = allocator.allocate()
+    slot.ready_event = threading.Event()  # the owner's last use, still running
+    allocator.release(slot)
+    assert allocator.allocate().slot_id == 1
+    handed_back = allocator.allocate()
+    assert handed_back.slot_id == 0 and handed_back.ready_event is slot.ready_event
+
+
+def test_is_occupied_bounds():
+    allocator = SlotAllocator(3)
+    allocator.allocate_multiple(3)
+    assert allocator.is_occupied(2)
+    assert not allocator.is_occupied(3)
+    assert not allocator.is_occupied(-1)
+    assert allocator.occupied_at_or_above(3) == []
+    assert allocator.occupied_at_or_above(1) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda a: setattr(a, "_num_occupied", 1), "occupied count"),
+        (lambda a: a._recycled.append(a._recycled[0]), "free twice"),
+        (lambda a: a._recycled.append(0), "both free and occupied"),
+        (lambda a: setattr(a, "_num_active", 5), "high-water mark"),
+        (lambda a: a._overflow.append(1), "overflow id is outside"),
+    ],
+)
+def test_invariant_check_detects_corruption(corrupt, message):
+    allocator = SlotAllocator(8)
+    slots = allocator.allocate_multiple(4)
+    allocator.release(slots[2])
+    corrupt(allocator)
+    with pytest.raises(CorruptedError, match=message):
+        allocator.check_invariants()
