@@ -1,5 +1,6 @@
 """kvpool: a paged, tiered KV-cache manager for LLM inference engines."""
 
+from kvpool.cache import KVCache, KVCacheStatus
 from kvpool.config import (
     AttentionLayerConfig,
     BatchDesc,
@@ -22,7 +23,7 @@ from kvpool.errors import (
     OutOfPagesError,
     StorageError,
 )
-from kvpool.manager import KVCacheManager
+from kvpool.manager import KVCacheManager, StorageStatistics
 
 __version__ = "0.1.0"
 
@@ -37,14 +38,17 @@ __all__ = [
     "DiskCacheTierConfig",
     "GpuCacheTierConfig",
     "HostCacheTierConfig",
+    "KVCache",
     "KVCacheDesc",
     "KVCacheManager",
     "KVCacheManagerConfig",
+    "KVCacheStatus",
     "KVPoolError",
     "LogicError",
     "OutOfPagesError",
     "ReuseScope",
     "SsmLayerConfig",
     "StorageError",
+    "StorageStatistics",
     "__version__",
 ]

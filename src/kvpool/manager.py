@@ -1,21 +1,49 @@
-"""KVCacheManager: owns the layout and every cache level's pools; the entry point users need.
-
-This is the foundation part: validation, layout, initial sizing of every level and page views.
-Requests, reuse, tiers and rebalancing build on it.
-"""
+"""KVCacheManager: owns the layout, every level's pools, the radix tree and the requests; the
+only entry point users need."""
 
 from __future__ import annotations
 
 import copy
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from kvpool.config import CacheTier, DiskCacheTierConfig, KVCacheDesc, KVCacheManagerConfig
-from kvpool.errors import ArgumentError, LogicError
+from kvpool import _debug
+from kvpool.cache import CacheContext, KVCache, KVCacheStatus, PriorityCallback
+from kvpool.config import (
+    CacheTier,
+    DiskCacheTierConfig,
+    KVCacheDesc,
+    KVCacheManagerConfig,
+    ReuseScope,
+)
+from kvpool.errors import ArgumentError, CorruptedError, LogicError
 from kvpool.layout import KVLayout
+from kvpool.radix import RadixTree, Token, root_key
 from kvpool.storage.pools import LevelStorage
+from kvpool.tiers import StorageManager
 
 # The request shape that sizes pool groups when the config names none.
 DEFAULT_REQUEST = KVCacheDesc(capacity=2049, history_length=2048)
+
+
+@dataclass(frozen=True)
+class StorageStatistics:
+    """Slots of one pool group at one level. `available` = free + evictable."""
+
+    slot_sizes: tuple[int, ...]
+    total: int
+    free: int
+    evictable: int
+
+    @property
+    def available(self) -> int:
+        return self.free + self.evictable
+
+    @property
+    def unavailable(self) -> int:
+        return self.total - self.available
 
 
 class KVCacheManager:
@@ -46,8 +74,22 @@ class KVCacheManager:
                     )
                 )
         except BaseException:
-            self.shutdown()
+            for storage in self._levels:
+                storage.close()
             raise
+        self._storage = StorageManager(self._levels)
+        self._tree = RadixTree(self.layout)
+        self._storage.on_drop = self._tree.remove_page
+        self._living: dict[int, KVCache] = {}
+        self._ids = itertools.count()
+        self._context = CacheContext(
+            layout=self.layout,
+            storage=self._storage,
+            tree=self._tree,
+            max_util_for_resume=self._config.max_util_for_resume,
+            on_close=self._forget,
+            check=self._after_call,
+        )
 
     def _floors(self) -> list[int]:
         """Per pool group: the slots a request needs to make progress, raised to what every
@@ -151,12 +193,188 @@ class KVCacheManager:
         pool = self.level_storage(0).pool_groups[placement.pool_group].pool_view(placement.pool)
         return pool.reshape(-1, placement.size)
 
+    # -- requests --------------------------------------------------------------------------------
+
+    def create_kv_cache(
+        self,
+        reuse_scope: ReuseScope | None = None,
+        input_tokens: Sequence[Token] | None = None,
+        id: int | None = None,
+        priority_callback: PriorityCallback | None = None,
+    ) -> KVCache:
+        """A new request, SUSPENDED, already holding the longest reusable prefix of
+        `input_tokens` (`num_committed_tokens == history_length == capacity ==` its length).
+        Leave out the prompt tokens that must be recomputed (at least the last one)."""
+        self._require_open()
+        scope_key = root_key(reuse_scope)
+        if id is None:
+            id = next(self._ids)
+            while id in self._living:
+                id = next(self._ids)
+        elif isinstance(id, bool) or not isinstance(id, int):
+            raise ArgumentError(f"id={id!r} is invalid: must be an int or None")
+        elif id in self._living:
+            raise ArgumentError(f"id={id} is invalid: a KV cache with this id is open")
+        if priority_callback is not None and not callable(priority_callback):
+            raise ArgumentError(
+                f"priority_callback={priority_callback!r} is invalid: must be callable or None"
+            )
+        tokens = list(input_tokens) if input_tokens is not None else []
+        match = (
+            self._tree.match(scope_key, tokens, self._config.enable_partial_reuse)
+            if tokens
+            else None
+        )
+        cache = KVCache(self._context, id, scope_key, priority_callback)
+        if match is not None:
+            cache.adopt_match(match, tokens)
+        self._living[id] = cache
+        self._after_call()
+        return cache
+
+    def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: Sequence[Token]) -> int:
+        """How many tokens of `input_tokens` a new request would reuse now (holds nothing)."""
+        self._require_open()
+        tokens = list(input_tokens)
+        return self._tree.match(
+            root_key(reuse_scope), tokens, self._config.enable_partial_reuse
+        ).num_tokens
+
+    @property
+    def num_open_kv_caches(self) -> int:
+        return len(self._living)
+
+    def _forget(self, cache: KVCache) -> None:
+        del self._living[cache.id]
+
+    def get_storage_statistics(self, level: int) -> list[StorageStatistics]:
+        """Per pool group at `level`: slot sizes, total, free, evictable, available, unavailable."""
+        storage = self.level_storage(level)
+        return [
+            StorageStatistics(
+                slot_sizes=group.slot_sizes,
+                total=group.num_slots,
+                free=group.allocator.num_free_slots,
+                evictable=self._storage.num_evictable(level, index),
+            )
+            for index, group in enumerate(storage.pool_groups)
+        ]
+
+    @property
+    def num_dropped_pages(self) -> int:
+        """Committed pages evicted from the last level so far (their KV is gone)."""
+        return self._storage.num_dropped
+
+    def clear_reusable_blocks(self) -> None:
+        """Forget every cached block (refused while requests are open)."""
+        self._require_open()
+        self._refuse_with_open_caches("clear_reusable_blocks")
+        for page in self._tree.clear():
+            self._storage.settle(page)
+        self._after_call()
+
     def shutdown(self) -> None:
-        """Release every level's memory (idempotent)."""
-        for level in self._levels:
-            level.close()
+        """Release all memory (idempotent; refused while requests are open)."""
+        if self._closed:
+            return
+        self._refuse_with_open_caches("shutdown")
+        for page in self._tree.clear():
+            self._storage.settle(page)
+        self._storage.close()
         self._levels = []
         self._closed = True
+
+    def _refuse_with_open_caches(self, operation: str) -> None:
+        if self._living:
+            raise LogicError(
+                f"{operation}() with {len(self._living)} KV cache(s) still open; close them first"
+            )
+
+    # -- consistency -----------------------------------------------------------------------------
+
+    def _after_call(self) -> None:
+        if _debug.DEBUG:
+            self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """Raise `CorruptedError` unless slots, page owners, queues and tree links agree."""
+        problems: list[str] = []
+        storage, tree = self._storage, self._tree
+        locks: dict[int, int] = {}
+        holds: dict[int, int] = {}
+        pages: dict[int, Any] = {}
+        for cache in self._living.values():
+            active = cache.status is KVCacheStatus.ACTIVE
+            for g in range(self.layout.num_layer_groups):
+                table = cache.get_base_page_indices(g)
+                for index, page in enumerate(cache.pages(g)):
+                    expected = -1 if page is None else page.slot_id
+                    if table[index] != expected:
+                        problems.append(
+                            f"cache {cache.id} group {g} block {index}: table {table[index]} != {expected}"
+                        )
+                    if page is not None:
+                        pages[id(page)] = page
+                        counts = locks if active else holds
+                        counts[id(page)] = counts.get(id(page), 0) + 1
+            for _, index, page in cache._deferred:
+                if index < 0:
+                    pages[id(page)] = page
+                    holds[id(page)] = holds.get(id(page), 0) + 1
+        for block in tree.blocks():
+            if (
+                not block.in_tree
+                or block.parent is None
+                or block.parent.children.get(block.key) is not block
+            ):
+                problems.append(f"{block}: broken parent link")
+            for g, page in enumerate(block.pages):
+                if page is not None:
+                    pages[id(page)] = page
+                    if page.block is not block or page.layer_group != g:
+                        problems.append(f"{page} is not linked back to {block}")
+        for queues in storage.queues:
+            for queue in queues:
+                for page in queue:
+                    pages[id(page)] = page
+        used: dict[tuple[int, int], set[int]] = {}
+        for key, page in pages.items():
+            if page.slot is None:
+                problems.append(f"{page} is referenced but freed")
+                continue
+            if (page.locks, page.holds) != (locks.get(key, 0), holds.get(key, 0)):
+                problems.append(
+                    f"{page}: owners counted {locks.get(key, 0)} locks, {holds.get(key, 0)} holds"
+                )
+            if page.queued != storage.is_evictable(page):
+                problems.append(
+                    f"{page}: queued {page.queued} but evictable {storage.is_evictable(page)}"
+                )
+            if not page.locks and not page.holds and page.block is None:
+                problems.append(f"{page}: nobody owns it and it is not cached")
+            slots = used.setdefault((page.level, page.pool_group), set())
+            if page.slot_id in slots:
+                problems.append(
+                    f"slot {page.slot_id} of pool group {page.pool_group} has two pages"
+                )
+            slots.add(page.slot_id)
+        for level, level_storage in enumerate(storage.levels):
+            for pg, group in enumerate(level_storage.pool_groups):
+                group.allocator.check_invariants()
+                occupied = group.allocator.num_occupied_slots
+                if occupied != len(used.get((level, pg), ())):
+                    problems.append(
+                        f"level {level} pool group {pg}: {occupied} slots occupied, {len(used.get((level, pg), ()))} pages"
+                    )
+                queued = sum(
+                    1
+                    for p in pages.values()
+                    if p.queued and p.level == level and p.pool_group == pg
+                )
+                if queued != len(storage.queues[level][pg]):
+                    problems.append(f"level {level} pool group {pg}: queue length mismatch")
+        if problems:
+            raise CorruptedError("; ".join(problems[:10]))
 
     def _require_open(self) -> None:
         if self._closed:

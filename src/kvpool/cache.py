@@ -1,0 +1,535 @@
+"""KVCache: one request's blocks, lengths, page tables and state machine.
+
+Lengths: ``num_committed_tokens <= history_length <= capacity``. `capacity` tokens have blocks
+(``ceil(capacity / tokens_per_block)``); the KV of the first `history_length` tokens is computed;
+committed tokens are final and their full blocks are in the radix tree.
+
+Every page in the request's tables is owned by it: locked while ACTIVE, held while SUSPENDED.
+Per step the work is proportional to the blocks that change, never to the history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from kvpool import _debug
+from kvpool.errors import ArgumentError, LogicError
+from kvpool.layout import BAD_PAGE_INDEX, AttentionLifeCycle, KVLayout
+from kvpool.pages import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Page
+from kvpool.radix import Block, Match, RadixTree, Token, block_key, encode_tokens
+
+if TYPE_CHECKING:
+    from kvpool.tiers import StorageManager
+
+GPU_LEVEL = 0
+PriorityCallback = Callable[[int, int], int]
+"""(block ordinal, layer group id) -> eviction priority in [0, 100]; lower is evicted first."""
+
+
+class KVCacheStatus(Enum):
+    ACTIVE = "active"
+    SUSPENDED = "suspended"
+    CLOSED = "closed"
+
+
+@dataclass
+class CacheContext:
+    """What a request needs from its manager (so the cache does not depend on the manager)."""
+
+    layout: KVLayout
+    storage: StorageManager
+    tree: RadixTree
+    max_util_for_resume: float
+    on_close: Callable[[KVCache], None]
+    check: Callable[[], None]
+
+
+class KVCache:
+    """One request's KV cache. Created SUSPENDED by `KVCacheManager.create_kv_cache`."""
+
+    def __init__(
+        self,
+        context: CacheContext,
+        cache_id: int,
+        scope_key: bytes,
+        priority_callback: PriorityCallback | None,
+    ) -> None:
+        self._ctx = context
+        self.id = cache_id
+        self._scope_key = scope_key
+        self._priority_callback = priority_callback
+        self._status = KVCacheStatus.SUSPENDED
+        layout = context.layout
+        self._tpb = layout.tokens_per_block
+        self._capacity = self._history = self._committed = 0
+        self._committing = True
+        self._prev_key = scope_key  # key of the last committed full block
+        self._parent: Block | None = context.tree.root(scope_key)  # where the next block goes
+        self._tail: list[Token] = []  # committed tokens of the unfinished block
+        self._attention = [
+            (g, lc) for g, lc in enumerate(layout.life_cycles) if isinstance(lc, AttentionLifeCycle)
+        ]
+        self._windowed = [(g, lc) for g, lc in self._attention if lc.window is not None]
+        self._ssm = [
+            g for g, lc in enumerate(layout.life_cycles) if not isinstance(lc, AttentionLifeCycle)
+        ]
+        # Per layer group: the page of each block (attention) or of the live state (SSM, one entry).
+        self._pages: list[list[Page | None]] = [
+            [None] if g in self._ssm else [] for g in range(len(layout.life_cycles))
+        ]
+        self._tables = [
+            np.full(1 if g in self._ssm else 16, BAD_PAGE_INDEX, dtype=np.int32)
+            for g in range(len(self._pages))
+        ]
+        self._released_end = [0] * len(self._pages)  # stale blocks below this are released
+        # Shared pages to copy into private ones on first resume: (layer group, block, page).
+        # The block is -1 for an SSM state snapshot.
+        self._deferred: list[tuple[int, int, Page]] = []
+        self._index_cache: dict[tuple[int, str], tuple[int, npt.NDArray[np.int32]]] = {}
+        self._version = 0
+
+    # -- state -----------------------------------------------------------------------------------
+
+    @property
+    def status(self) -> KVCacheStatus:
+        return self._status
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def history_length(self) -> int:
+        return self._history
+
+    @property
+    def num_committed_tokens(self) -> int:
+        return self._committed
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self._capacity // self._tpb)
+
+    @property
+    def is_committing(self) -> bool:
+        """False after `stop_committing()`."""
+        return self._committing
+
+    def resume(self) -> bool:
+        """Lock the request's pages for running. Returns False (still suspended, nothing changed)
+        when a GPU pool group is fuller than `max_util_for_resume` or lacks the slots for the
+        private copies made on first resume."""
+        self._require_open("resume")
+        if self._status is KVCacheStatus.ACTIVE:
+            return True
+        storage, layout = self._ctx.storage, self._ctx.layout
+        for pool_group in range(layout.num_pool_groups):
+            total = storage.levels[GPU_LEVEL].pool_groups[pool_group].num_slots
+            used = total - storage.num_available(GPU_LEVEL, pool_group)
+            if total and used / total > self._ctx.max_util_for_resume:
+                return False
+        needs = [0] * layout.num_pool_groups
+        for g, block, _ in self._deferred:
+            if block >= 0:
+                needs[layout.pool_group_of[g]] += 1
+        for g in self._ssm:
+            if self._pages[g][0] is None:
+                needs[layout.pool_group_of[g]] += 1
+        if not storage.can_allocate(GPU_LEVEL, needs):
+            return False
+        for pages in self._pages:
+            for page in pages:
+                if page is not None:
+                    storage.lock(page)
+                    storage.unhold(page)
+        self._status = KVCacheStatus.ACTIVE
+        self._make_private_copies()
+        self._after_call()
+        return True
+
+    def _make_private_copies(self) -> None:
+        """First resume: copy a partially reused block and a reused SSM snapshot into private
+        pages (shared pages are never written), and give SSM layers their live state slot."""
+        storage, layout = self._ctx.storage, self._ctx.layout
+        snapshots = {g: page for g, block, page in self._deferred if block < 0}
+        for g, block, shared in self._deferred:
+            if block >= 0:
+                private = self._new_page(g)
+                storage.copy_slots(
+                    GPU_LEVEL, shared.pool_group, [shared.slot_id], [private.slot_id]
+                )
+                self._set_page(g, block, private)
+                storage.unlock(shared)
+        for g in self._ssm:
+            if self._pages[g][0] is None:
+                live = self._new_page(g)
+                snapshot = snapshots.get(g)
+                if snapshot is not None:
+                    storage.copy_slots(
+                        GPU_LEVEL, layout.pool_group_of[g], [snapshot.slot_id], [live.slot_id]
+                    )
+                    storage.unhold(snapshot)
+                self._set_page(g, 0, live)
+        self._deferred = []
+
+    def suspend(self) -> None:
+        """Turn the request's locks into holds: its pages may then move to colder levels (never
+        dropped) while others run."""
+        self._require_open("suspend")
+        if self._status is KVCacheStatus.SUSPENDED:
+            return
+        storage = self._ctx.storage
+        for pages in self._pages:
+            for page in pages:
+                if page is not None:
+                    storage.hold(page)
+                    storage.unlock(page)
+        self._status = KVCacheStatus.SUSPENDED
+        self._after_call()
+
+    def close(self) -> None:
+        """Finish the request (idempotent): commit the partial tail, release every page.
+        Committed pages stay cached in the tree for reuse."""
+        if self._status is KVCacheStatus.CLOSED:
+            return
+        if self._committing:
+            self.stop_committing()
+        storage = self._ctx.storage
+        for _, index, snapshot in self._deferred:
+            if index < 0:
+                storage.unhold(snapshot)
+        self._deferred = []
+        for g, pages in enumerate(self._pages):
+            for index, page in enumerate(pages):
+                if page is not None:
+                    pages[index] = None
+                    self._release(page)
+            self._tables[g].fill(BAD_PAGE_INDEX)
+        self._status = KVCacheStatus.CLOSED
+        self._ctx.on_close(self)
+        self._after_call()
+
+    # -- growth ----------------------------------------------------------------------------------
+
+    def resize(self, capacity: int, history_length: int | None = None) -> bool:
+        """Reserve blocks for `capacity` tokens and advance the history. All or nothing: returns
+        False, with nothing changed, when the pages cannot be found even by eviction.
+        Blocks that fall out of a sliding window are released (sink blocks stay)."""
+        self._require_active("resize")
+        history = self._history if history_length is None else history_length
+        for name, value in (("capacity", capacity), ("history_length", history)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ArgumentError(f"{name}={value!r} is invalid: must be an integer >= 0")
+        if history < self._history:
+            raise LogicError(f"history_length cannot decrease (from {self._history} to {history})")
+        if history > capacity:
+            raise LogicError(f"history_length {history} cannot exceed capacity {capacity}")
+        if capacity < self._committed:
+            raise LogicError(
+                f"capacity {capacity} cannot drop below the {self._committed} committed tokens"
+            )
+        tpb = self._tpb
+        old_blocks, new_blocks = self.num_blocks, -(-capacity // tpb)
+        stale = [(g, lc.stale_range(history, tpb)) for g, lc in self._windowed]
+        if new_blocks == old_blocks and all(end <= self._released_end[g] for g, (_, end) in stale):
+            self._capacity, self._history = capacity, history
+            return True
+        layout, storage = self._ctx.layout, self._ctx.storage
+        stale_of = dict(stale)
+        releases: list[tuple[int, int]] = []
+        grants: dict[int, list[int]] = {}
+        for g, _ in self._attention:
+            pages = self._pages[g]
+            beg, end = stale_of.get(g, (0, 0))
+            # Newly stale blocks, then blocks past a smaller capacity (stale ones never reach
+            # that far: end <= ceil(history / tpb) <= new_blocks).
+            for index in [
+                *range(max(beg, self._released_end[g]), min(end, old_blocks)),
+                *range(new_blocks, old_blocks),
+            ]:
+                if pages[index] is not None:
+                    releases.append((g, index))
+            wanted = [i for i in range(old_blocks, new_blocks) if not beg <= i < end]
+            if wanted:
+                grants[g] = wanted
+        needs = [0] * layout.num_pool_groups
+        for g, wanted in grants.items():
+            needs[layout.pool_group_of[g]] += len(wanted)
+        gains = [0] * layout.num_pool_groups
+        for g, index in releases:
+            page = self._pages[g][index]
+            assert page is not None
+            if page.locks + page.holds == 1:
+                gains[page.pool_group] += 1
+        if any(
+            need > storage.num_available(GPU_LEVEL, pg) + gains[pg]
+            for pg, need in enumerate(needs)
+            if need
+        ):
+            return False
+        for g, index in releases:
+            self._clear_page(g, index)
+        for g, _ in self._attention:
+            pages = self._pages[g]
+            if new_blocks < old_blocks:
+                del pages[new_blocks:]
+                self._tables[g][new_blocks:old_blocks] = BAD_PAGE_INDEX
+            else:
+                pages.extend([None] * (new_blocks - old_blocks))
+                self._ensure_table(g, new_blocks)
+        for g, wanted in grants.items():
+            for index in wanted:
+                self._set_page(g, index, self._new_page(g))
+        for g, (_, end) in stale:
+            self._released_end[g] = max(self._released_end[g], end)
+        self._capacity, self._history = capacity, history
+        self._version += 1
+        self._after_call()
+        return True
+
+    # -- commit ----------------------------------------------------------------------------------
+
+    def commit(self, tokens: Sequence[Token]) -> None:
+        """Make the next `tokens` (whose KV is written) final. Every block they fill goes into
+        the radix tree; if an identical block is already there, this request switches to the
+        tree's pages and frees its own."""
+        self._require_active("commit")
+        if not self._committing:
+            raise LogicError("cannot commit tokens after stop_committing()")
+        tokens = list(tokens)
+        if self._committed + len(tokens) > self._capacity:
+            raise LogicError(
+                f"cannot commit {len(tokens)} tokens: {self._committed} are committed and the "
+                f"capacity is {self._capacity}"
+            )
+        encode_tokens(tokens)  # validate before changing anything
+        tail, tpb = self._tail, self._tpb
+        tail.extend(tokens)
+        self._committed += len(tokens)
+        while len(tail) >= tpb:
+            block_tokens = tuple(tail[:tpb])
+            del tail[:tpb]
+            index = (self._committed - len(tail)) // tpb - 1
+            self._commit_block(index, block_tokens, snapshot=not tail)
+        self._history = max(self._history, self._committed)
+        self._after_call()
+
+    def stop_committing(self) -> None:
+        """No more commits: the unfinished tail block goes into the tree as a partial block."""
+        self._require_open("stop_committing")
+        if not self._committing:
+            return
+        if self._tail:
+            self._commit_block(self._committed // self._tpb, tuple(self._tail), snapshot=True)
+        self._committing = False
+        self._after_call()
+
+    def _commit_block(self, index: int, tokens: tuple[Token, ...], snapshot: bool) -> None:
+        """Insert block `index` (full, or the partial tail) under the previous committed block."""
+        key = block_key(self._prev_key, tokens)
+        full = len(tokens) == self._tpb
+        if full:
+            self._prev_key = key
+        parent = self._parent
+        if parent is not None and parent.is_root and not parent.in_tree:
+            parent = self._ctx.tree.root(parent.key)  # the scope's root was pruned meanwhile
+        if parent is None or not parent.in_tree:
+            self._parent = None  # an earlier block could not be inserted: stop sharing
+            return
+        tree, storage = self._ctx.tree, self._ctx.storage
+        block, orphans = tree.insert(parent, key, tokens)
+        for orphan in orphans:
+            storage.settle(orphan)
+        if full:
+            self._parent = block
+        if block is None:
+            return
+        for g, _ in self._attention:
+            page = self._pages[g][index] if index < len(self._pages[g]) else None
+            if page is None or page.block is not None:
+                continue
+            existing = block.pages[g]
+            if existing is None:
+                page.priority = self._priority(block.ordinal, g)
+                tree.attach(block, page)
+                storage.settle(page)
+            elif full:
+                self._acquire(existing)  # one copy of the KV, not two
+                self._set_page(g, index, existing)
+                self._release(page)
+        if snapshot:
+            for g in self._ssm:
+                live = self._pages[g][0]
+                if live is not None and block.pages[g] is None:
+                    self._snapshot(block, g, live)
+
+    def _snapshot(self, block: Block, g: int, live: Page) -> None:
+        """Copy the live SSM state into a page of `block` (best effort: skipped when no slot)."""
+        storage = self._ctx.storage
+        pool_group = self._ctx.layout.pool_group_of[g]
+        if storage.num_available(GPU_LEVEL, pool_group) == 0:
+            return
+        (page,) = storage.new_pages(GPU_LEVEL, pool_group, g, 1)
+        storage.copy_slots(GPU_LEVEL, pool_group, [live.slot_id], [page.slot_id])
+        page.priority = self._priority(block.ordinal, g)
+        self._ctx.tree.attach(block, page)
+        storage.settle(page)
+
+    def _priority(self, ordinal: int, layer_group: int) -> int:
+        if self._priority_callback is None:
+            return DEFAULT_PRIORITY
+        priority = self._priority_callback(ordinal, layer_group)
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not MIN_PRIORITY <= priority <= MAX_PRIORITY
+        ):
+            raise ArgumentError(
+                f"priority_callback({ordinal}, {layer_group})={priority!r} is invalid: must be an "
+                f"integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]"
+            )
+        return priority
+
+    # -- creation from a match (called by the manager) -------------------------------------------
+
+    def adopt_match(self, match: Match, tokens: Sequence[Token]) -> None:
+        """Hold the pages of a reused prefix: the blocks each layer group needs at its end, and
+        the deferred private copies (partial last block, SSM snapshot)."""
+        length, tpb = match.num_tokens, self._tpb
+        if not length:
+            return
+        storage = self._ctx.storage
+        num_blocks = -(-length // tpb)
+        partial = length % tpb != 0
+        for g, lc in self._attention:
+            beg, end = lc.stale_range(length, tpb)
+            self._pages[g] = [None] * num_blocks
+            self._ensure_table(g, num_blocks)
+            for index in range(num_blocks):
+                if beg <= index < end:
+                    continue
+                page = match.blocks[index].pages[g]
+                assert page is not None, "match pruning guarantees the page"
+                storage.hold(page)
+                if partial and index == num_blocks - 1:
+                    self._deferred.append((g, index, page))
+                self._pages[g][index] = page
+                self._tables[g][index] = page.slot_id
+            self._released_end[g] = end
+        for g in self._ssm:
+            snapshot = match.blocks[num_blocks - 1].pages[g]
+            assert snapshot is not None, "match pruning guarantees the snapshot"
+            storage.hold(snapshot)
+            self._deferred.append((g, -1, snapshot))
+        full_blocks = length // tpb
+        if full_blocks:
+            self._parent = match.blocks[full_blocks - 1]
+            self._prev_key = self._parent.key
+        self._tail = list(tokens[full_blocks * tpb : length])
+        self._capacity = self._history = self._committed = length
+        self._version += 1
+
+    # -- page tables -----------------------------------------------------------------------------
+
+    def get_base_page_indices(self, layer_group_id: int) -> npt.NDArray[np.int32]:
+        """Slot id of each block's page in `layer_group_id` (-1 where the block has none), as a
+        read-only int32 view; for an SSM layer group one entry, the live state's slot."""
+        self._require_open("get_base_page_indices")
+        if (
+            isinstance(layer_group_id, bool)
+            or not isinstance(layer_group_id, int)
+            or not 0 <= layer_group_id < len(self._pages)
+        ):
+            raise ArgumentError(
+                f"layer_group_id={layer_group_id!r} is invalid: must be in [0, {len(self._pages)})"
+            )
+        view = self._tables[layer_group_id][: len(self._pages[layer_group_id])]
+        view.flags.writeable = False
+        return view
+
+    def get_page_indices(self, layer_id: int, role: str) -> npt.NDArray[np.int32]:
+        """Rows of `manager.page_view(layer_id, role)` for each block (-1 where none)."""
+        self._require_open("get_page_indices")
+        placement = self._ctx.layout.buffers.get((layer_id, role))
+        if placement is None:
+            raise ArgumentError(
+                f"(layer_id, role)=({layer_id!r}, {role!r}) is invalid: must name a configured buffer"
+            )
+        cached = self._index_cache.get((layer_id, role))
+        if cached is not None and cached[0] == self._version:
+            return cached[1]
+        indices = placement.page_indices(self.get_base_page_indices(placement.layer_group))
+        indices.flags.writeable = False
+        self._index_cache[layer_id, role] = (self._version, indices)
+        return indices
+
+    def pages(self, layer_group_id: int) -> list[Page | None]:
+        """The request's pages of one layer group (for introspection and tests)."""
+        return list(self._pages[layer_group_id])
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _new_page(self, g: int) -> Page:
+        storage = self._ctx.storage
+        (page,) = storage.new_pages(GPU_LEVEL, self._ctx.layout.pool_group_of[g], g, 1)
+        storage.lock(page)
+        return page
+
+    def _set_page(self, g: int, index: int, page: Page) -> None:
+        """Put a page this request already owns into its table."""
+        self._pages[g][index] = page
+        self._tables[g][index] = page.slot_id
+        self._version += 1
+
+    def _clear_page(self, g: int, index: int) -> None:
+        page = self._pages[g][index]
+        assert page is not None
+        self._pages[g][index] = None
+        self._tables[g][index] = BAD_PAGE_INDEX
+        self._release(page)
+        self._version += 1
+
+    def _acquire(self, page: Page) -> None:
+        if self._status is KVCacheStatus.ACTIVE:
+            self._ctx.storage.lock(page)
+        else:
+            self._ctx.storage.hold(page)
+
+    def _release(self, page: Page) -> None:
+        if self._status is KVCacheStatus.ACTIVE:
+            self._ctx.storage.unlock(page)
+        else:
+            self._ctx.storage.unhold(page)
+
+    def _ensure_table(self, g: int, num_blocks: int) -> None:
+        table = self._tables[g]
+        if num_blocks > table.size:
+            grown = np.full(max(num_blocks, 2 * table.size), BAD_PAGE_INDEX, dtype=np.int32)
+            grown[: table.size] = table
+            self._tables[g] = grown
+
+    def _require_open(self, operation: str) -> None:
+        if self._status is KVCacheStatus.CLOSED:
+            raise LogicError(f"{operation}() on KV cache {self.id}, which is closed")
+
+    def _require_active(self, operation: str) -> None:
+        if self._status is not KVCacheStatus.ACTIVE:
+            raise LogicError(
+                f"{operation}() on KV cache {self.id}, which is {self._status.value} (it must be active)"
+            )
+
+    def _after_call(self) -> None:
+        if _debug.DEBUG:
+            self._ctx.check()
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(id {self.id}, {self._status.value}, capacity {self._capacity}, history "
+            f"{self._history}, committed {self._committed})"
+        )

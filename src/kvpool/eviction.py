@@ -1,0 +1,69 @@
+"""Prioritized LRU of evictable pages, one per (level, pool group).
+
+Lowest priority first, then least recently pushed. Push, remove and pop are O(1) (an ordered dict
+per priority, plus a sorted list of the priorities in use, at most 101).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from kvpool.errors import OutOfPagesError
+from kvpool.pages import Page
+
+
+class EvictionQueue:
+    """Evictable pages of one pool group at one level."""
+
+    def __init__(self) -> None:
+        self._lists: dict[int, OrderedDict[Page, None]] = {}
+        self._priorities: list[int] = []  # sorted; only priorities with pages
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Page]:
+        """Pages in eviction order."""
+        for priority in list(self._priorities):
+            yield from list(self._lists[priority])
+
+    def push(self, page: Page, evict_first: bool = False) -> None:
+        """Add `page` as the newest of its priority (or the oldest, with `evict_first`)."""
+        assert not page.queued, page
+        pages = self._lists.get(page.priority)
+        if pages is None:
+            pages = self._lists[page.priority] = OrderedDict()
+            bisect.insort(self._priorities, page.priority)
+        pages[page] = None
+        if evict_first:
+            pages.move_to_end(page, last=False)
+        page.queued = True
+        self._len += 1
+
+    def remove(self, page: Page) -> None:
+        pages = self._lists[page.priority]
+        del pages[page]
+        if not pages:
+            self._forget(page.priority)
+        page.queued = False
+        self._len -= 1
+
+    def pop(self) -> Page:
+        """The page to evict next."""
+        if not self._len:
+            raise OutOfPagesError("no evictable page")
+        priority = self._priorities[0]
+        pages = self._lists[priority]
+        page, _ = pages.popitem(last=False)
+        if not pages:
+            self._forget(priority)
+        page.queued = False
+        self._len -= 1
+        return page
+
+    def _forget(self, priority: int) -> None:
+        del self._lists[priority]
+        del self._priorities[bisect.bisect_left(self._priorities, priority)]

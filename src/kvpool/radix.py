@@ -1,0 +1,349 @@
+"""Prefix reuse: chained block keys and the radix tree of committed blocks.
+
+A block's key is SHA-256(previous key || the block's tokens); the first key is derived from the
+request's reuse scope, so requests share blocks only within one scope. Keys are compared, not
+tokens, so they must stay collision resistant (256 bits).
+
+The tree never owns pages: it points at each block's page per layer group, and the requests
+(locks, holds) and the eviction queues decide their lifetime. When a page is dropped, the tree
+removes what became unreachable and returns the pages that lost their block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvpool.config import ReuseScope
+from kvpool.errors import ArgumentError
+from kvpool.layout import AttentionLifeCycle, KVLayout, SsmLifeCycle
+from kvpool.pages import Page
+
+Token = int | bytes
+DIGEST_BYTES = 32
+MAX_TOKEN = 2**31
+# Partial matching and partial-block insertion scan a node's children only when it has few.
+MAX_CHILDREN_SCANNED = 32
+# Marks a 32-byte multimodal digest in the hashed byte stream. Int tokens are encoded as 4-byte
+# little-endian values below 2**31, which never end in 0xff, so the encoding is unambiguous.
+_DIGEST_MARKER = b"\xff\xff\xff\xff"
+
+
+def root_key(scope: ReuseScope | None) -> bytes:
+    """Key of a reuse scope's root: a presence mask, then each present field.
+
+    `None`, `(lora=0)`, `(salt=0)` and `(0, 0)` all differ, and so do `(lora=5)` and `(salt=5)`.
+    """
+    scope = ReuseScope() if scope is None else scope
+    if not isinstance(scope, ReuseScope):
+        raise ArgumentError(f"reuse_scope={scope!r} is invalid: must be a ReuseScope or None")
+    mask = 0
+    fields = []
+    for bit, (name, value) in enumerate(zip(ReuseScope._fields, scope, strict=True)):
+        if value is None:
+            continue
+        mask |= 1 << bit
+        fields.append(_encode_scope_field(name, value))
+    return hashlib.sha256(bytes([mask]) + b"".join(fields)).digest()
+
+
+def _encode_scope_field(name: str, value: object) -> bytes:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64:
+        return b"i" + value.to_bytes(8, "little")
+    if name == "salt" and isinstance(value, str | bytes):
+        raw = value.encode() if isinstance(value, str) else value
+        return b"s" + len(raw).to_bytes(8, "little") + raw
+    allowed = (
+        "an integer in [0, 2**64), a str, bytes or None"
+        if name == "salt"
+        else "an integer in [0, 2**64) or None"
+    )
+    raise ArgumentError(f"reuse_scope.{name}={value!r} is invalid: must be {allowed}")
+
+
+def encode_tokens(tokens: Sequence[Token]) -> bytes:
+    """Bytes of a block's tokens: ints in [0, 2**31) as 4-byte little-endian, 32-byte digests
+    after a marker. Anything else raises `ArgumentError` (a ValueError)."""
+    try:
+        data = struct.pack(f"<{len(tokens)}i", *tokens)
+    except (struct.error, TypeError):
+        return b"".join(_encode_token(token) for token in tokens)
+    if data and max(data[3::4]) >= 0x80:  # a negative int: find it for the message
+        for token in tokens:
+            _encode_token(token)
+    return data
+
+
+def _encode_token(token: object) -> bytes:
+    if isinstance(token, int) and not isinstance(token, bool):
+        if 0 <= token < MAX_TOKEN:
+            return token.to_bytes(4, "little")
+    elif isinstance(token, bytes) and len(token) == DIGEST_BYTES:
+        return _DIGEST_MARKER + token
+    raise ArgumentError(
+        f"token {token!r} is invalid: must be an int in [0, 2**31) or a {DIGEST_BYTES}-byte digest"
+    )
+
+
+def block_key(previous_key: bytes, tokens: Sequence[Token]) -> bytes:
+    return hashlib.sha256(previous_key + encode_tokens(tokens)).digest()
+
+
+class Block:
+    """One committed block: full (`tokens_per_block` tokens) or a partial tail (fewer, a leaf).
+
+    `pages[g]` is the block's page for layer group `g`, or None (never stored, or dropped).
+    """
+
+    __slots__ = ("children", "in_tree", "key", "ordinal", "pages", "parent", "tokens")
+
+    def __init__(
+        self, key: bytes, parent: Block | None, tokens: tuple[Token, ...], num_layer_groups: int
+    ) -> None:
+        self.key = key
+        self.parent = parent
+        self.tokens = tokens
+        self.ordinal: int = -1 if parent is None else parent.ordinal + 1
+        self.children: dict[bytes, Block] = {}
+        self.pages: list[Page | None] = [None] * num_layer_groups
+        self.in_tree = True
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"Block(ordinal {self.ordinal}, {len(self.tokens)} tokens, {len(self.children)} children)"
+
+
+@dataclass
+class Match:
+    """A reusable prefix of `num_tokens` tokens stored in `blocks`. All but the last block are
+    used in full; when `num_tokens` is not block aligned the last one is used in part."""
+
+    blocks: list[Block]
+    num_tokens: int
+
+
+class RadixTree:
+    """Committed blocks of every reuse scope, keyed by chained block keys."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+        self.roots: dict[bytes, Block] = {}
+
+    def root(self, key: bytes) -> Block:
+        """The root of a scope (created on first use; removed again when it has no children)."""
+        node = self.roots.get(key)
+        if node is None:
+            node = self.roots[key] = Block(key, None, (), self.layout.num_layer_groups)
+        return node
+
+    # -- lookup ----------------------------------------------------------------------------------
+
+    def match(self, scope_key: bytes, tokens: Sequence[Token], partial: bool) -> Match:
+        """The longest prefix of `tokens` whose KV the tree holds in every layer group that the
+        next token needs (see `_usable_length`)."""
+        blocks, num_tokens = self._walk(scope_key, tokens, partial)
+        usable = self._usable_length(blocks, num_tokens)
+        tpb = self.layout.tokens_per_block
+        return Match(blocks[: -(-usable // tpb)], usable)
+
+    def _walk(
+        self, scope_key: bytes, tokens: Sequence[Token], partial: bool
+    ) -> tuple[list[Block], int]:
+        """Blocks whose keys match, then (with `partial`) the child sharing the longest token
+        prefix with the rest; returns the blocks and the matched token count."""
+        node = self.roots.get(scope_key)
+        if node is None:
+            return [], 0
+        tpb = self.layout.tokens_per_block
+        blocks: list[Block] = []
+        key = scope_key
+        for start in range(0, len(tokens) - tpb + 1, tpb):
+            key = block_key(key, tokens[start : start + tpb])
+            child = node.children.get(key)
+            if child is None:
+                break
+            blocks.append(child)
+            node = child
+        matched = len(blocks) * tpb
+        if partial and node.children and len(node.children) <= MAX_CHILDREN_SCANNED:
+            rest = tuple(tokens[matched : matched + tpb])
+            best, best_len = None, 0
+            for child in node.children.values():
+                n = _common_prefix(child.tokens, rest)
+                if n > best_len:
+                    best, best_len = child, n
+            if best is not None:
+                blocks.append(best)
+                matched += best_len
+        return blocks, matched
+
+    def _usable_length(self, blocks: list[Block], num_tokens: int) -> int:
+        """Shorten a match until every layer group has the pages resuming at its end needs:
+        attention needs the non-stale blocks (sinks and the window tail); SSM needs a state
+        snapshot taken exactly at the end. Each retry strictly shortens, so this terminates."""
+        tpb = self.layout.tokens_per_block
+        while True:
+            length = num_tokens
+            for group, life_cycle in enumerate(self.layout.life_cycles):
+                if isinstance(life_cycle, SsmLifeCycle):
+                    length = _ssm_endpoint(blocks, group, length, tpb)
+                else:
+                    length = _attention_endpoint(blocks, group, life_cycle, length, tpb)
+            if length == num_tokens:
+                return length
+            num_tokens = length
+
+    # -- insertion -------------------------------------------------------------------------------
+
+    def insert(
+        self, parent: Block, key: bytes, tokens: tuple[Token, ...]
+    ) -> tuple[Block | None, list[Page]]:
+        """Add a block under `parent`; returns it (or the existing block with that key) and the
+        pages orphaned on the way.
+
+        A partial block whose tokens start a sibling's tokens is useless (None is returned). A
+        new block replaces the partial siblings whose tokens it extends.
+        """
+        existing = parent.children.get(key)
+        if existing is not None:
+            return existing, []
+        tpb = self.layout.tokens_per_block
+        scan = len(parent.children) <= MAX_CHILDREN_SCANNED
+        if len(tokens) < tpb and scan:
+            for child in parent.children.values():
+                if child.tokens[: len(tokens)] == tokens:
+                    return None, []
+        block = Block(key, parent, tokens, self.layout.num_layer_groups)
+        parent.children[key] = block
+        orphans: list[Page] = []
+        if scan:
+            for child in list(parent.children.values()):
+                if (
+                    child is not block
+                    and child.num_tokens < len(tokens)
+                    and tokens[: child.num_tokens] == child.tokens
+                ):
+                    self._remove_subtree(child, orphans)
+        return block, orphans
+
+    @staticmethod
+    def attach(block: Block, page: Page) -> None:
+        assert block.pages[page.layer_group] is None and page.block is None
+        block.pages[page.layer_group] = page
+        page.block = block
+
+    # -- removal ---------------------------------------------------------------------------------
+
+    def remove_page(self, page: Page) -> list[Page]:
+        """Detach a dropped page from its block; return the other pages that lost their block.
+
+        Without a full-attention (or sink) page a block and all its descendants can never be
+        reused again, so they go. Then childless blocks without any page are pruned upwards.
+        """
+        block = page.block
+        assert block is not None and block.pages[page.layer_group] is page
+        block.pages[page.layer_group] = None
+        page.block = None
+        orphans: list[Page] = []
+        life_cycle = self.layout.life_cycles[page.layer_group]
+        if isinstance(life_cycle, AttentionLifeCycle) and (
+            life_cycle.window is None or block.ordinal < life_cycle.num_sink_blocks
+        ):
+            parent = block.parent
+            self._remove_subtree(block, orphans)
+            if parent is not None:
+                self._prune_upwards(parent)
+        else:
+            self._prune_upwards(block)
+        return orphans
+
+    def clear(self) -> list[Page]:
+        """Remove every block; return their pages."""
+        orphans: list[Page] = []
+        for root in list(self.roots.values()):
+            self._remove_subtree(root, orphans)
+        return orphans
+
+    def _remove_subtree(self, top: Block, orphans: list[Page]) -> None:
+        """Unlink `top` and everything below it (iteratively, leaf first)."""
+        parent = top.parent
+        if parent is not None:
+            del parent.children[top.key]
+        elif self.roots.get(top.key) is top:
+            del self.roots[top.key]
+        stack = [top]
+        while stack:
+            block = stack.pop()
+            stack.extend(block.children.values())
+            block.children = {}
+            block.in_tree = False
+            for group, page in enumerate(block.pages):
+                if page is not None:
+                    page.block = None
+                    block.pages[group] = None
+                    orphans.append(page)
+
+    def _prune_upwards(self, block: Block) -> None:
+        """Remove childless blocks that hold no page in any layer group, up to the root."""
+        while not block.children and all(page is None for page in block.pages):
+            parent = block.parent
+            if parent is None:
+                if self.roots.get(block.key) is block:
+                    del self.roots[block.key]
+                block.in_tree = False
+                return
+            del parent.children[block.key]
+            block.in_tree = False
+            block = parent
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def blocks(self) -> Iterator[Block]:
+        """Every non-root block."""
+        stack = list(self.roots.values())
+        while stack:
+            block = stack.pop()
+            stack.extend(block.children.values())
+            if not block.is_root:
+                yield block
+
+
+def _common_prefix(a: Sequence[Token], b: Sequence[Token]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _attention_endpoint(
+    blocks: list[Block], group: int, life_cycle: AttentionLifeCycle, length: int, tpb: int
+) -> int:
+    """Cut `length` before the first block the next step needs that has no page in `group`."""
+    beg, end = life_cycle.stale_range(length, tpb)
+    for index in range(-(-length // tpb)):
+        if beg <= index < end:
+            continue
+        if blocks[index].pages[group] is None:
+            return index * tpb
+    return length
+
+
+def _ssm_endpoint(blocks: list[Block], group: int, length: int, tpb: int) -> int:
+    """The longest prefix (<= length) that ends exactly where a block has a state snapshot."""
+    for index in range(-(-length // tpb) - 1, -1, -1):
+        block = blocks[index]
+        end = index * tpb + block.num_tokens
+        if end <= length and block.pages[group] is not None:
+            return end
+    return 0
