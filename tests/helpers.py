@@ -30,3 +30,22 @@ def make_config(layers=None, tiers=None, tokens_per_block=16, **overrides):
         layers if layers is not None else [kv_layer(0), kv_layer(1)],
         **overrides,
     )
+
+
+def record_layer(layer_id, tokens_per_block, window=None, sinks=None, repeats=1):
+    """An attention layer whose K/V buffers hold `repeats` 16-byte records per token."""
+    return kv_layer(layer_id, size=16 * repeats * tokens_per_block, window=window, sinks=sinks)
+
+
+def hybrid_layers(tokens_per_block, num_layers=8, window=128, sinks=16, repeats=1):
+    """Even layers: sliding window with sinks; odd layers: full attention."""
+    return [
+        record_layer(
+            i,
+            tokens_per_block,
+            window if i % 2 == 0 else None,
+            sinks if i % 2 == 0 else None,
+            repeats,
+        )
+        for i in range(num_layers)
+    ]

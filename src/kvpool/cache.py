@@ -230,10 +230,6 @@ class KVCache:
             raise LogicError(f"history_length cannot decrease (from {self._history} to {history})")
         if history > capacity:
             raise LogicError(f"history_length {history} cannot exceed capacity {capacity}")
-        if capacity < self._committed:
-            raise LogicError(
-                f"capacity {capacity} cannot drop below the {self._committed} committed tokens"
-            )
         tpb = self._tpb
         old_blocks, new_blocks = self.num_blocks, -(-capacity // tpb)
         stale = [(g, lc.stale_range(history, tpb)) for g, lc in self._windowed]

@@ -1,0 +1,251 @@
+"""Request lifecycle: resize, commit, sliding-window release, page tables, misuse, out of pages."""
+
+import numpy as np
+import pytest
+
+from kvpool import GpuCacheTierConfig, KVCacheManager, KVCacheStatus, LogicError
+from kvpool.errors import ArgumentError
+from tests.engine_check import CheckingEngine
+from tests.helpers import MiB, hybrid_layers, make_config, record_layer
+
+
+@pytest.fixture
+def manager():
+    made = []
+
+    def make(**kwargs):
+        m = KVCacheManager(make_config(**kwargs))
+        made.append(m)
+        return m
+
+    yield make
+    for m in made:
+        for cache in list(m._living.values()):
+            cache.close()
+        m.shutdown()
+
+
+def test_one_request_512_tokens_with_window_and_sinks(manager):
+    tpb = 16
+    m = manager(
+        layers=hybrid_layers(tpb, window=128, sinks=16),
+        tokens_per_block=tpb,
+        tiers=[GpuCacheTierConfig(4 * MiB)],
+    )
+    assert m.layout.num_layer_groups == 2 and m.num_pool_groups == 1
+    engine = CheckingEngine(m)
+    tokens = list(range(1000, 1512))
+    cache = m.create_kv_cache()
+    assert cache.status is KVCacheStatus.SUSPENDED
+    assert cache.resume()
+    swa, full = m.get_layer_group_id(0), m.get_layer_group_id(1)
+    assert engine.step(cache, tokens, tokens[:1])  # prefill of one token
+    engine.check(cache, tokens)
+    for position in range(1, 512):
+        assert engine.step(cache, tokens, tokens[position : position + 1])
+        engine.check(cache, tokens)
+        history = cache.history_length
+        swa_table = cache.get_base_page_indices(swa)
+        full_table = cache.get_base_page_indices(full)
+        assert len(full_table) == -(-history // tpb) and (full_table >= 0).all()
+        # Pages are released by resize, which saw history h - 1: the window [h - 128, h - 1]
+        # plus the sink block have pages, nothing else.
+        live = {b for b in range(len(swa_table)) if b == 0 or (b + 1) * tpb > history - 128}
+        assert {int(b) for b in np.flatnonzero(swa_table >= 0)} == live, history
+    assert cache.num_committed_tokens == cache.history_length == cache.capacity == 512
+    assert engine.records_checked > 512 * 256
+    assert m.get_storage_statistics(0)[0].free < m.get_storage_statistics(0)[0].total
+    cache.close()
+    cache.close()  # idempotent
+    stats = m.get_storage_statistics(0)[0]
+    # Every committed block stays cached in both layer groups (window pages too: they were
+    # released when they went stale, but they are reusable by a shorter prefix).
+    assert stats.evictable == 32 + 32
+    m.clear_reusable_blocks()
+    stats = m.get_storage_statistics(0)[0]
+    assert stats.free == stats.total and stats.evictable == 0
+
+
+def test_lengths_and_created_state(manager):
+    m = manager()
+    cache = m.create_kv_cache()
+    assert (cache.capacity, cache.history_length, cache.num_committed_tokens) == (0, 0, 0)
+    assert cache.resume()
+    assert cache.resize(40)
+    assert (cache.capacity, cache.history_length, cache.num_blocks) == (40, 0, 3)
+    cache.commit(range(10))
+    assert (cache.num_committed_tokens, cache.history_length) == (10, 10)
+    assert cache.resize(40, 25)
+    assert cache.history_length == 25
+    assert cache.resize(25)  # capacity may shrink down to the history
+    assert cache.num_blocks == 2
+    assert (
+        list(cache.get_base_page_indices(0)) == [0, 1]
+        or (cache.get_base_page_indices(0) >= 0).all()
+    )
+    cache.close()
+
+
+def test_misuse_names_the_state(manager):
+    m = manager()
+    cache = m.create_kv_cache()
+    with pytest.raises(LogicError, match="resize\\(\\) on KV cache 0, which is suspended"):
+        cache.resize(16)
+    with pytest.raises(LogicError, match="commit\\(\\) on KV cache 0, which is suspended"):
+        cache.commit([1])
+    cache.resume()
+    cache.resize(32, 8)
+    with pytest.raises(LogicError, match="history_length cannot decrease \\(from 8 to 4\\)"):
+        cache.resize(32, 4)
+    with pytest.raises(LogicError, match="history_length 40 cannot exceed capacity 32"):
+        cache.resize(32, 40)
+    with pytest.raises(LogicError, match="cannot commit 33 tokens"):
+        cache.commit(range(33))
+    with pytest.raises(ArgumentError, match="token -1 is invalid"):
+        cache.commit([1, -1])
+    with pytest.raises(ArgumentError, match="capacity=-5 is invalid"):
+        cache.resize(-5)
+    assert (cache.capacity, cache.history_length, cache.num_committed_tokens) == (32, 8, 0)
+    cache.commit([1, 2])
+    cache.stop_committing()
+    with pytest.raises(LogicError, match="cannot commit tokens after stop_committing"):
+        cache.commit([3])
+    cache.close()
+    for call in (
+        cache.resume,
+        cache.suspend,
+        lambda: cache.resize(8),
+        lambda: cache.commit([1]),
+        cache.stop_committing,
+    ):
+        with pytest.raises(LogicError, match="which is closed"):
+            call()
+    with pytest.raises(LogicError, match="which is closed"):
+        cache.get_base_page_indices(0)
+
+
+def test_page_tables_are_int32_arrays_kept_up_to_date(manager):
+    m = manager(layers=[record_layer(0, 16), record_layer(1, 16)])
+    cache = m.create_kv_cache()
+    cache.resume()
+    cache.resize(20)
+    table = cache.get_base_page_indices(0)
+    assert table.dtype == np.int32 and not table.flags.writeable
+    rows = cache.get_page_indices(1, "v")
+    assert rows.dtype == np.int32
+    assert cache.get_page_indices(1, "v") is rows  # cached until the table changes
+    placement = m.layout.buffers[1, "v"]
+    assert list(rows) == [s * placement.buffers_per_slot + placement.position for s in table]
+    cache.resize(40)
+    assert len(cache.get_page_indices(1, "v")) == 3
+    with pytest.raises(ArgumentError, match="layer_group_id=3 is invalid"):
+        cache.get_base_page_indices(3)
+    with pytest.raises(ArgumentError, match="\\(7, 'k'\\) is invalid"):
+        cache.get_page_indices(7, "k")
+    cache.close()
+
+
+def slot_state(m):
+    return [(s.free, s.evictable) for s in m.get_storage_statistics(0)]
+
+
+def test_resize_out_of_pages_changes_nothing_and_others_continue(manager):
+    tpb = 16
+    # 64 KiB slots (4 layers x K,V x 8 KiB): a 2 MiB quota holds 32 of them.
+    m = manager(
+        layers=[record_layer(i, tpb, repeats=32) for i in range(4)],
+        tokens_per_block=tpb,
+        tiers=[GpuCacheTierConfig(2 * MiB)],
+    )
+    assert m.get_storage_statistics(0)[0].total == 32
+    engine = CheckingEngine(m)
+    a_tokens, b_tokens = list(range(0, 1000)), list(range(5000, 6000))
+    a, b = m.create_kv_cache(), m.create_kv_cache()
+    a.resume(), b.resume()
+    assert engine.step(a, a_tokens, a_tokens[: 20 * tpb])  # 20 blocks
+    assert engine.step(b, b_tokens, b_tokens[: 10 * tpb])  # 10 blocks: 2 left
+    before = slot_state(m)
+    table = a.get_base_page_indices(0).copy()
+    assert not a.resize(a.capacity + 3 * tpb)  # needs 3
+    assert (a.capacity, a.history_length, a.num_committed_tokens) == (20 * tpb, 20 * tpb, 20 * tpb)
+    assert slot_state(m) == before
+    assert np.array_equal(a.get_base_page_indices(0), table)
+    engine.check(a, a_tokens)
+    assert engine.step(b, b_tokens, b_tokens[10 * tpb : 12 * tpb])  # b still grows into the last 2
+    engine.check(b, b_tokens)
+    assert not engine.step(b, b_tokens, b_tokens[12 * tpb : 12 * tpb + 1])
+    a.close()  # a's 20 committed blocks become evictable
+    assert engine.step(b, b_tokens, b_tokens[12 * tpb : 13 * tpb])  # evicts one of them
+    assert m.num_dropped_pages == 1
+    engine.check(b, b_tokens)
+    b.close()
+
+
+def test_eviction_order_is_priority_then_age(manager):
+    tpb = 16
+    m = manager(
+        layers=[record_layer(i, tpb, repeats=32) for i in range(4)],
+        tokens_per_block=tpb,
+        tiers=[GpuCacheTierConfig(2 * MiB)],
+    )
+    engine = CheckingEngine(m)
+    priorities = {}  # prompt index -> priority of its single block
+
+    def run(index, priority):
+        tokens = list(range(index * 100, index * 100 + tpb))
+        cache = m.create_kv_cache(priority_callback=lambda ordinal, group: priority)
+        cache.resume()
+        assert engine.step(cache, tokens, tokens)
+        cache.close()
+        priorities[index] = priority
+        return tokens
+
+    prompts = [run(i, p) for i, p in enumerate([50, 10, 50, 10, 90, 35])]
+    assert [m.probe_reuse(None, p) for p in prompts] == [tpb] * 6
+    # Fill the pool: 26 free slots, then 3 more pages must come from the 6 cached ones.
+    filler = m.create_kv_cache()
+    filler.resume()
+    assert filler.resize(29 * tpb)
+    # Evicted: priority 10 (prompt 1, then prompt 3, oldest first), then the oldest of the 35s.
+    assert [m.probe_reuse(None, p) for p in prompts] == [tpb, 0, tpb, 0, tpb, 0]
+    assert m.num_dropped_pages == 3
+    filler.close()
+
+
+def test_priority_callback_result_is_checked(manager):
+    m = manager()
+    cache = m.create_kv_cache(priority_callback=lambda ordinal, group: 101)
+    cache.resume()
+    cache.resize(16)
+    with pytest.raises(
+        ArgumentError,
+        match=r"priority_callback\(0, 0\)=101 is invalid: must be an integer in \[0, 100\]",
+    ):
+        cache.commit(range(16))
+    cache.close()
+
+
+def test_open_requests_block_clear_and_shutdown(manager):
+    m = manager()
+    caches = [m.create_kv_cache() for _ in range(2)]
+    with pytest.raises(
+        LogicError, match=r"clear_reusable_blocks\(\) with 2 KV cache\(s\) still open"
+    ):
+        m.clear_reusable_blocks()
+    with pytest.raises(LogicError, match=r"shutdown\(\) with 2 KV cache\(s\) still open"):
+        m.shutdown()
+    for cache in caches:
+        cache.close()
+    m.clear_reusable_blocks()
+
+
+def test_ids(manager):
+    m = manager()
+    a = m.create_kv_cache(id=7)
+    assert a.id == 7
+    with pytest.raises(ArgumentError, match="id=7 is invalid: a KV cache with this id is open"):
+        m.create_kv_cache(id=7)
+    assert m.create_kv_cache().id == 0
+    assert m.num_open_kv_caches == 2
+    a.close()
+    assert m.create_kv_cache(id=7).id == 7
