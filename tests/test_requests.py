@@ -200,15 +200,21 @@ def test_eviction_order_is_priority_then_age(manager):
         priorities[index] = priority
         return tokens
 
-    prompts = [run(i, p) for i, p in enumerate([50, 10, 50, 10, 90, 35])]
-    assert [m.probe_reuse(None, p) for p in prompts] == [tpb] * 6
-    # Fill the pool: 26 free slots, then 3 more pages must come from the 6 cached ones.
+    prompts = [run(i, p) for i, p in enumerate([50, 10, 50, 10, 90, 35, 10])]
+    assert [m.probe_reuse(None, p) for p in prompts] == [tpb] * 7
     filler = m.create_kv_cache()
     filler.resume()
-    assert filler.resize(29 * tpb)
-    # Evicted: priority 10 (prompt 1, then prompt 3, oldest first), then the oldest of the 35s.
-    assert [m.probe_reuse(None, p) for p in prompts] == [tpb, 0, tpb, 0, tpb, 0]
-    assert m.num_dropped_pages == 3
+
+    def cached():
+        return [int(m.probe_reuse(None, p) > 0) for p in prompts]
+
+    assert filler.resize(27 * tpb)  # 25 free slots: evict 2, the oldest two of priority 10
+    assert cached() == [1, 0, 1, 0, 1, 1, 1]
+    assert filler.resize(29 * tpb)  # then the last 10, then the 35
+    assert cached() == [1, 0, 1, 0, 1, 0, 0]
+    assert filler.resize(30 * tpb)  # then the older of the two 50s
+    assert cached() == [0, 0, 1, 0, 1, 0, 0]
+    assert m.num_dropped_pages == 5
     filler.close()
 
 
