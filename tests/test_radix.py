@@ -1,0 +1,183 @@
+"""Block keys and the radix tree's removal rules."""
+
+import hashlib
+
+import pytest
+
+from kvpool import ReuseScope
+from kvpool.errors import ArgumentError
+from kvpool.eviction import EvictionQueue
+from kvpool.layout import KVLayout
+from kvpool.pages import Page
+from kvpool.radix import RadixTree, block_key, encode_tokens, root_key
+from kvpool.storage import SlotAllocator
+from tests.helpers import kv_layer, ssm_layer
+
+
+def test_root_keys_of_scopes_all_differ():
+    scopes = [
+        None,
+        ReuseScope(),
+        ReuseScope(lora_id=0),
+        ReuseScope(salt=0),
+        ReuseScope(0, 0),
+        ReuseScope(5),
+        ReuseScope(salt=5),
+        ReuseScope(salt="5"),
+        ReuseScope(salt=b"5"),
+    ]
+    keys = [root_key(s) for s in scopes]
+    assert keys[0] == keys[1]  # None is the empty scope
+    assert len(set(keys[1:])) == len(scopes) - 1
+    assert all(len(k) == 32 for k in keys)
+    assert root_key(ReuseScope(salt="5")) == root_key(
+        ReuseScope(salt=b"5")
+    )  # a str salt is its UTF-8
+
+
+def test_root_key_encoding_is_pinned():
+    assert (
+        root_key(ReuseScope(7, None))
+        == hashlib.sha256(bytes([1]) + b"i" + (7).to_bytes(8, "little")).digest()
+    )
+    assert root_key(None) == hashlib.sha256(bytes([0])).digest()
+
+
+@pytest.mark.parametrize(
+    "scope", [ReuseScope(-1), ReuseScope(2**64), ReuseScope("x"), ReuseScope(salt=1.5), "scope"]
+)
+def test_bad_scopes(scope):
+    with pytest.raises(ArgumentError, match="reuse_scope"):
+        root_key(scope)
+
+
+def test_block_key_chains_and_encodes_ints_little_endian():
+    previous = root_key(None)
+    assert (
+        block_key(previous, [1, 2])
+        == hashlib.sha256(previous + (1).to_bytes(4, "little") + (2).to_bytes(4, "little")).digest()
+    )
+    assert block_key(previous, [1, 2]) != block_key(block_key(previous, [0]), [1, 2])
+
+
+def test_digest_tokens_cannot_collide_with_int_tokens():
+    digest = bytes(range(32))
+    ints = [int.from_bytes(digest[i : i + 4], "little") for i in range(0, 32, 4)]
+    assert all(0 <= t < 2**31 for t in ints)
+    assert encode_tokens([digest]) != encode_tokens(ints)
+    assert block_key(b"", [digest]) != block_key(b"", ints)
+    assert (
+        block_key(b"", [digest, 3])
+        == hashlib.sha256(b"\xff" * 4 + digest + (3).to_bytes(4, "little")).digest()
+    )
+
+
+@pytest.mark.parametrize("token", [-1, 2**31, 1.0, "a", b"short", bytes(33), None])
+def test_invalid_tokens(token):
+    with pytest.raises(
+        ArgumentError, match="must be an int in \\[0, 2\\*\\*31\\) or a 32-byte digest"
+    ):
+        encode_tokens([1, token, 2])
+
+
+def make_page(allocator, group, layout):
+    return Page(allocator.allocate(), 0, layout.pool_group_of[group], group)
+
+
+def build_chain(tree, layout, allocator, length, groups):
+    """A chain of `length` full blocks with a page in each of `groups`."""
+    tpb = layout.tokens_per_block
+    parent = tree.root(root_key(None))
+    blocks = []
+    for i in range(length):
+        tokens = tuple(range(i * tpb, (i + 1) * tpb))
+        block, orphans = tree.insert(parent, block_key(parent.key, tokens), tokens)
+        assert orphans == []
+        for group in groups:
+            tree.attach(block, make_page(allocator, group, layout))
+        blocks.append(block)
+        parent = block
+    return blocks
+
+
+def test_dropping_a_full_attention_page_removes_the_subtree():
+    layout = KVLayout([kv_layer(0, window=32), kv_layer(1)], 16)
+    tree, allocator = RadixTree(layout), SlotAllocator(100)
+    blocks = build_chain(tree, layout, allocator, 4, groups=[0, 1])
+    orphans = tree.remove_page(blocks[1].pages[1])
+    # Block 1 and its descendants are unreachable: their other pages are orphaned.
+    assert len(orphans) == 1 + 2 * 2
+    assert [b.in_tree for b in blocks] == [True, False, False, False]
+    assert list(tree.blocks()) == [blocks[0]]
+    assert all(p.block is None for p in orphans)
+
+
+def test_dropping_a_window_page_keeps_the_block_while_another_group_has_a_page():
+    """Stale-tail prune regression: every layer group's slot must be empty before pruning."""
+    layout = KVLayout([kv_layer(0, window=32), kv_layer(1)], 16)
+    tree, allocator = RadixTree(layout), SlotAllocator(100)
+    blocks = build_chain(tree, layout, allocator, 2, groups=[0, 1])
+    assert tree.remove_page(blocks[1].pages[0]) == []
+    assert blocks[1].in_tree and blocks[1].pages[1] is not None
+    # A block holding only a window page: when that goes, the empty tail is pruned upwards.
+    layout_swa = KVLayout([kv_layer(0, window=32), kv_layer(1, window=64)], 16)
+    tree, allocator = RadixTree(layout_swa), SlotAllocator(100)
+    blocks = build_chain(tree, layout_swa, allocator, 3, groups=[0, 1])
+    tree.remove_page(blocks[2].pages[1])
+    assert blocks[2].in_tree  # group 0 still has a page
+    tree.remove_page(blocks[2].pages[0])
+    assert not blocks[2].in_tree and blocks[1].in_tree
+
+
+def test_pruning_empties_the_scope_root():
+    layout = KVLayout([kv_layer(0, window=32, sinks=0), ssm_layer(1, size=100)], 16)
+    tree, allocator = RadixTree(layout), SlotAllocator(100)
+    blocks = build_chain(tree, layout, allocator, 1, groups=[0])
+    assert tree.remove_page(blocks[0].pages[0]) == []
+    assert tree.roots == {}
+
+
+def test_longer_block_replaces_a_partial_sibling():
+    layout = KVLayout([kv_layer(0)], 16)
+    tree, allocator = RadixTree(layout), SlotAllocator(100)
+    root = tree.root(root_key(None))
+    partial_tokens = tuple(range(5))
+    partial, _ = tree.insert(root, block_key(root.key, partial_tokens), partial_tokens)
+    tree.attach(partial, make_page(allocator, 0, layout))
+    # A shorter partial covered by it is useless.
+    assert tree.insert(root, block_key(root.key, partial_tokens[:3]), partial_tokens[:3]) == (
+        None,
+        [],
+    )
+    full_tokens = tuple(range(16))
+    full, orphans = tree.insert(root, block_key(root.key, full_tokens), full_tokens)
+    assert full is not None and not partial.in_tree
+    assert len(orphans) == 1 and orphans[0].block is None
+    assert list(root.children.values()) == [full]
+
+
+def test_clear_removes_everything():
+    layout = KVLayout([kv_layer(0)], 16)
+    tree, allocator = RadixTree(layout), SlotAllocator(100)
+    build_chain(tree, layout, allocator, 3, groups=[0])
+    tree.root(root_key(ReuseScope(1)))  # a childless root
+    assert len(tree.clear()) == 3
+    assert tree.roots == {} and list(tree.blocks()) == []
+
+
+def test_eviction_queue_orders_by_priority_then_age():
+    layout = KVLayout([kv_layer(0)], 16)
+    allocator, queue = SlotAllocator(10), EvictionQueue()
+    pages = []
+    for priority in (50, 10, 50, 10, 90):
+        page = make_page(allocator, 0, layout)
+        page.priority = priority
+        queue.push(page)
+        pages.append(page)
+    queue.remove(pages[1])
+    extra = make_page(allocator, 0, layout)
+    extra.priority = 50
+    queue.push(extra, evict_first=True)
+    assert list(queue) == [pages[3], extra, pages[0], pages[2], pages[4]]
+    assert [queue.pop() for _ in range(5)] == [pages[3], extra, pages[0], pages[2], pages[4]]
+    assert len(queue) == 0 and not any(p.queued for p in pages)
