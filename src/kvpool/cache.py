@@ -6,6 +6,10 @@ committed tokens are final and their full blocks are in the radix tree.
 
 Every page in the request's tables is owned by it: locked while ACTIVE, held while SUSPENDED.
 Per step the work is proportional to the blocks that change, never to the history.
+
+SSM layers: the live state slot must hold the state after exactly the committed tokens whenever a
+commit fills a block or `stop_committing()` runs; kvpool then snapshots it into the tree, and a
+later request can reuse a prefix only up to such a snapshot.
 """
 
 from __future__ import annotations
@@ -62,7 +66,6 @@ class KVCache:
     ) -> None:
         self._ctx = context
         self.id = cache_id
-        self._scope_key = scope_key
         self._priority_callback = priority_callback
         self._status = KVCacheStatus.SUSPENDED
         layout = context.layout
