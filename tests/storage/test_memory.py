@@ -121,10 +121,10 @@ def test_disk_write_error_is_clear_and_keeps_previous_contents(tmp_path, monkeyp
     memory.write(0, b"A" * 4096)
     memory.write(4096, b"B" * 4096)
 
-    def failing_pwrite(fd, data, offset):
+    def failing_pwritev(fd, buffers, offset):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(os, "pwrite", failing_pwrite)
+    monkeypatch.setattr(os, "pwritev", failing_pwritev)
     with pytest.raises(
         StorageError, match=r"disk level write of 4096 bytes at offset 8192 .* Input/output error"
     ) as caught:
@@ -138,20 +138,29 @@ def test_disk_write_error_is_clear_and_keeps_previous_contents(tmp_path, monkeyp
     memory.close()
 
 
-def test_disk_write_retries_short_writes(tmp_path, monkeypatch):
+def test_disk_vector_io_retries_short_transfers(tmp_path, monkeypatch):
     memory = DiskMemory(tmp_path, MiB)
-    real_pwrite = os.pwrite
+    real_pwritev, real_preadv = os.pwritev, os.preadv
     calls = []
 
-    def short_pwrite(fd, data, offset):
-        calls.append(len(data))
-        return real_pwrite(fd, bytes(data)[:1000], offset)
+    def short(real):
+        def call(fd, buffers, offset):  # transfers at most 1000 bytes, of the first buffer only
+            calls.append(sum(len(b) for b in buffers))
+            return real(fd, [buffers[0][:1000]], offset)
 
-    monkeypatch.setattr(os, "pwrite", short_pwrite)
-    memory.write(0, b"x" * 4096)
+        return call
+
+    monkeypatch.setattr(os, "pwritev", short(real_pwritev))
+    parts = [np.full(1500, 1, np.uint8), np.full(2596, 2, np.uint8)]
+    memory.writev(0, parts)
+    assert calls == [4096, 3096, 2596, 1596, 596]
+    calls.clear()
+    monkeypatch.setattr(os, "preadv", short(real_preadv))
+    out = [np.empty(2000, np.uint8), np.empty(2096, np.uint8)]
+    memory.readv(0, out)
     monkeypatch.undo()
     assert calls == [4096, 3096, 2096, 1096, 96]
-    assert memory.read(0, 4096).tobytes() == b"x" * 4096
+    assert np.array_equal(np.concatenate(out), np.concatenate(parts))
     memory.close()
 
 

@@ -18,6 +18,7 @@ import mmap
 import os
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -189,31 +190,43 @@ class DiskMemory(Memory):
 
     def readinto(self, offset: int, out: Bytes) -> None:
         """Fill the contiguous array `out` from the file at `offset`."""
+        self.readv(offset, [out])
+
+    def write(self, offset: int, data: Bytes | bytes) -> None:
+        self.writev(
+            offset, [np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data]
+        )
+
+    def readv(self, offset: int, buffers: Sequence[Bytes]) -> None:
+        """Scatter the file range at `offset` into contiguous `buffers` (preadv)."""
+        self._vector_io("read", offset, buffers)
+
+    def writev(self, offset: int, buffers: Sequence[Bytes]) -> None:
+        """Gather contiguous `buffers` into the file range at `offset` (pwritev)."""
+        self._vector_io("write", offset, buffers)
+
+    def _vector_io(self, op: str, offset: int, buffers: Sequence[Bytes]) -> None:
         self._require_open()
-        self._check_range(offset, out.nbytes)
-        view = out.data.cast("B")
+        views = [buffer.data.cast("B") for buffer in buffers]
+        total = sum(len(view) for view in views)
+        self._check_range(offset, total)
+        call = os.preadv if op == "read" else os.pwritev
         done = 0
-        while done < len(view):
+        while views:
             try:
-                n = os.preadv(self._fd, [view[done:]], offset + done)
+                n = call(self._fd, views, offset + done)
             except OSError as error:
-                raise self._io_error("read", offset, len(view), error) from error
+                raise self._io_error(op, offset, total, error) from error
             if n == 0:
                 raise StorageError(
                     errno.EIO, f"unexpected end of the disk level file at {offset + done}"
                 )
             done += n
-
-    def write(self, offset: int, data: Bytes | bytes) -> None:
-        view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
-        self._require_open()
-        self._check_range(offset, len(view))
-        done = 0
-        while done < len(view):
-            try:
-                done += os.pwrite(self._fd, view[done:], offset + done)
-            except OSError as error:
-                raise self._io_error("write", offset, len(view), error) from error
+            while views and n >= len(views[0]):  # drop what was transferred in full
+                n -= len(views[0])
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
 
     def close(self) -> None:
         if self._fd >= 0:
