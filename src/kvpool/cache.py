@@ -36,6 +36,10 @@ PriorityCallback = Callable[[int, int], int]
 """(block ordinal, layer group id) -> eviction priority in [0, 100]; lower is evicted first."""
 
 
+class _Refused(Exception):
+    """Internal: resume() cannot get the room it needs."""
+
+
 class KVCacheStatus(Enum):
     ACTIVE = "active"
     SUSPENDED = "suspended"
@@ -125,9 +129,10 @@ class KVCache:
         return self._committing
 
     def resume(self) -> bool:
-        """Lock the request's pages for running. Returns False (still suspended, nothing changed)
-        when a GPU pool group is fuller than `max_util_for_resume` or lacks the slots for the
-        private copies made on first resume."""
+        """Bring every page the request needs to the GPU level and lock it there. Returns False
+        (still suspended, nothing moved) when a GPU pool group is fuller than
+        `max_util_for_resume` or the GPU cannot take the pages (plus the private copies made on
+        first resume), even by pushing other pages down."""
         self._require_open("resume")
         if self._status is KVCacheStatus.ACTIVE:
             return True
@@ -137,36 +142,94 @@ class KVCache:
             used = total - storage.num_available(GPU_LEVEL, pool_group)
             if total and used / total > self._ctx.max_util_for_resume:
                 return False
+        ours = [page for pages in self._pages for page in pages if page is not None]
         needs = [0] * layout.num_pool_groups
+        for page in ours:
+            if page.level != GPU_LEVEL:
+                needs[page.pool_group] += 1
         for g, block, _ in self._deferred:
             if block >= 0:
                 needs[layout.pool_group_of[g]] += 1
         for g in self._ssm:
             if self._pages[g][0] is None:
                 needs[layout.pool_group_of[g]] += 1
-        if not storage.can_allocate(GPU_LEVEL, needs):
-            return False
-        for pages in self._pages:
-            for page in pages:
-                if page is not None:
-                    storage.lock(page)
-                    storage.unhold(page)
+        for page in ours:  # locked pages are never evicted: ours stay put while we make room
+            storage.lock(page)
+            storage.unhold(page)
+        try:
+            if not storage.can_allocate(GPU_LEVEL, needs):
+                raise _Refused
+            for pool_group, count in enumerate(needs):
+                if count:
+                    storage.make_room(GPU_LEVEL, pool_group, count)
+            storage.migrate(ours, GPU_LEVEL)
+        except BaseException as error:
+            for page in ours:
+                storage.hold(page)
+                storage.unlock(page)
+            if isinstance(error, _Refused):
+                return False
+            raise
         self._status = KVCacheStatus.ACTIVE
+        for g, table_pages in enumerate(self._pages):  # slot ids changed where pages moved
+            for index, held in enumerate(table_pages):
+                if held is not None:
+                    self._tables[g][index] = held.slot_id
+        self._version += 1
         self._make_private_copies()
         self._after_call()
         return True
 
+    def prefetch(self, level: int) -> bool:
+        """Suspended requests only: move the request's pages that are colder than `level` up
+        to it, as far as `level` has room (best effort). True when none is left colder."""
+        self._require_open("prefetch")
+        if self._status is not KVCacheStatus.SUSPENDED:
+            raise LogicError(
+                f"prefetch() on KV cache {self.id}, which is {self._status.value} (it must be suspended)"
+            )
+        storage = self._ctx.storage
+        if (
+            isinstance(level, bool)
+            or not isinstance(level, int)
+            or not 0 <= level < len(storage.levels)
+        ):
+            raise ArgumentError(
+                f"level={level!r} is invalid: must be in [0, {len(storage.levels)})"
+            )
+        colder = [
+            page
+            for pages in self._pages
+            for page in pages
+            if page is not None and page.level > level
+        ]
+        colder += [
+            page for _, _, page in self._deferred if page.level > level and page not in colder
+        ]
+        by_group: dict[int, list[Page]] = {}
+        for page in colder:
+            by_group.setdefault(page.pool_group, []).append(page)
+        for page in colder:
+            storage.lock(page)  # not evictable while we make room
+        try:
+            for pool_group, pages in by_group.items():
+                room = storage.make_room(level, pool_group, len(pages), at_least=0)
+                storage.migrate(pages[:room], level)
+        finally:
+            for page in colder:
+                storage.unlock(page)
+        self._after_call()
+        return all(page.level <= level for page in colder)
+
     def _make_private_copies(self) -> None:
         """First resume: copy a partially reused block and a reused SSM snapshot into private
         pages (shared pages are never written), and give SSM layers their live state slot."""
-        storage, layout = self._ctx.storage, self._ctx.layout
+        storage = self._ctx.storage
         snapshots = {g: page for g, block, page in self._deferred if block < 0}
         for g, block, shared in self._deferred:
             if block >= 0:
                 private = self._new_page(g)
-                storage.copy_slots(
-                    GPU_LEVEL, shared.pool_group, [shared.slot_id], [private.slot_id]
-                )
+                storage.copy_pages([(shared, private)])
                 self._set_page(g, block, private)
                 storage.unlock(shared)
         for g in self._ssm:
@@ -174,9 +237,7 @@ class KVCache:
                 live = self._new_page(g)
                 snapshot = snapshots.get(g)
                 if snapshot is not None:
-                    storage.copy_slots(
-                        GPU_LEVEL, layout.pool_group_of[g], [snapshot.slot_id], [live.slot_id]
-                    )
+                    storage.copy_pages([(snapshot, live)])
                     storage.unhold(snapshot)
                 self._set_page(g, 0, live)
         self._deferred = []
@@ -257,23 +318,40 @@ class KVCache:
             wanted = [i for i in range(old_blocks, new_blocks) if not beg <= i < end]
             if wanted:
                 grants[g] = wanted
-        needs = [0] * layout.num_pool_groups
-        for g, wanted in grants.items():
-            needs[layout.pool_group_of[g]] += len(wanted)
-        gains = [0] * layout.num_pool_groups
+        # Pages owned only by this request: an uncommitted one gives its slot straight to a new
+        # block of its layer group; a committed one becomes evictable, so it frees a slot too.
+        recycle: set[tuple[int, int]] = set()
+        freed_committed: list[list[Page]] = [[] for _ in range(layout.num_pool_groups)]
         for g, index in releases:
             page = self._pages[g][index]
             assert page is not None
             if page.locks + page.holds == 1:
-                gains[page.pool_group] += 1
-        if any(
-            need > storage.num_available(GPU_LEVEL, pg) + gains[pg]
-            for pg, need in enumerate(needs)
-            if need
-        ):
+                if page.block is None:
+                    if sum(1 for r in recycle if r[0] == g) < len(grants.get(g, ())):
+                        recycle.add((g, index))
+                else:
+                    freed_committed[page.pool_group].append(page)
+        fresh = [0] * layout.num_pool_groups  # slots to allocate per pool group
+        for g, wanted in grants.items():
+            fresh[layout.pool_group_of[g]] += len(wanted) - sum(1 for r in recycle if r[0] == g)
+        # Make room before releasing anything, so that a refusal changes nothing; the pages
+        # released below then cover the rest.
+        first = [max(0, n - len(c)) for n, c in zip(fresh, freed_committed, strict=True)]
+        if not storage.can_allocate(GPU_LEVEL, first):
             return False
+        for pool_group, count in enumerate(first):
+            if count:
+                storage.make_room(GPU_LEVEL, pool_group, count)
+        recycled: dict[int, list[Page]] = {}
         for g, index in releases:
-            self._clear_page(g, index)
+            if (g, index) in recycle:
+                page = self._pages[g][index]
+                assert page is not None
+                recycled.setdefault(g, []).append(page)  # keeps its slot and our lock
+                self._pages[g][index] = None
+                self._tables[g][index] = BAD_PAGE_INDEX
+            else:
+                self._clear_page(g, index)
         for g, _ in self._attention:
             pages = self._pages[g]
             if new_blocks < old_blocks:
@@ -282,9 +360,15 @@ class KVCache:
             else:
                 pages.extend([None] * (new_blocks - old_blocks))
                 self._ensure_table(g, new_blocks)
+        for pool_group, count in enumerate(fresh):
+            if count > storage.num_free(GPU_LEVEL, pool_group):
+                storage.make_room_evicting(
+                    GPU_LEVEL, pool_group, count, freed_committed[pool_group]
+                )
         for g, wanted in grants.items():
+            reuse = recycled.get(g, [])
             for index in wanted:
-                self._set_page(g, index, self._new_page(g))
+                self._set_page(g, index, reuse.pop() if reuse else self._new_page(g))
         for g, (_, end) in stale:
             self._released_end[g] = max(self._released_end[g], end)
         self._capacity, self._history = capacity, history
@@ -358,10 +442,17 @@ class KVCache:
                 page.priority = self._priority(block.ordinal, g)
                 tree.attach(block, page)
                 storage.settle(page)
-            elif full:
+            elif full and existing.level == GPU_LEVEL:
                 self._acquire(existing)  # one copy of the KV, not two
                 self._set_page(g, index, existing)
                 self._release(page)
+            elif full and not existing.locks and not existing.holds:
+                # The tree's copy is colder and unused: ours (on the GPU) replaces it.
+                self._ctx.tree.detach(existing)
+                storage.settle(existing)
+                page.priority = existing.priority
+                tree.attach(block, page)
+                storage.settle(page)
         if snapshot:
             for g in self._ssm:
                 live = self._pages[g][0]
@@ -375,7 +466,7 @@ class KVCache:
         if storage.num_available(GPU_LEVEL, pool_group) == 0:
             return
         (page,) = storage.new_pages(GPU_LEVEL, pool_group, g, 1)
-        storage.copy_slots(GPU_LEVEL, pool_group, [live.slot_id], [page.slot_id])
+        storage.copy_pages([(live, page)])
         page.priority = self._priority(block.ordinal, g)
         self._ctx.tree.attach(block, page)
         storage.settle(page)

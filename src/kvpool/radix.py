@@ -236,6 +236,13 @@ class RadixTree:
         return block, orphans
 
     @staticmethod
+    def detach(page: Page) -> None:
+        """Unlink a page from its block, which keeps its place in the tree."""
+        assert page.block is not None and page.block.pages[page.layer_group] is page
+        page.block.pages[page.layer_group] = None
+        page.block = None
+
+    @staticmethod
     def attach(block: Block, page: Page) -> None:
         assert block.pages[page.layer_group] is None and page.block is None
         block.pages[page.layer_group] = page

@@ -1,18 +1,33 @@
-"""StorageManager: pages of every level, their ownership counts and eviction.
+"""StorageManager: the pages of every level, their owners, eviction and migration between levels.
 
-It turns slot allocation into page allocation: when a pool group lacks free slots it evicts the
-least valuable evictable pages. This issue's single GPU level is also the last level, so evicted
-pages are dropped (their tree blocks lose them); colder levels will catch them instead.
+Allocation on a full level cascades: the least valuable evictable pages of that level move to the
+next level, which may in turn push its own down; only the last level drops pages. Held pages (a
+suspended request needs them) may move down but are never dropped: an allocation that would need
+that fails with `OutOfPagesError` before anything changed, because every cascade is planned with
+counts first and carried out only when the plan succeeds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from kvpool.errors import OutOfPagesError
 from kvpool.eviction import EvictionQueue
 from kvpool.pages import Page
+from kvpool.storage.copier import Copier
 from kvpool.storage.pools import LevelStorage
+
+
+@dataclass
+class _Plan:
+    """Steps that free slots, in the order to carry them out (coldest level first), and how
+    many slots are then free at the level planned for."""
+
+    free: int
+    drops: list[Page] = field(default_factory=list)
+    moves: list[tuple[int, list[Page]]] = field(default_factory=list)  # (from level, pages)
 
 
 class StorageManager:
@@ -21,9 +36,13 @@ class StorageManager:
     def __init__(self, levels: Sequence[LevelStorage]) -> None:
         self.levels = list(levels)
         self.queues = [[EvictionQueue() for _ in level.pool_groups] for level in self.levels]
+        # The page in each occupied slot, per level and pool group.
+        self.pages = [[{} for _ in level.pool_groups] for level in self.levels]  # type: list[list[dict[int, Page]]]
+        self.copier = Copier()
         # Called when a committed page is dropped; returns pages that lost their block with it.
         self.on_drop: Callable[[Page], list[Page]] = lambda page: []
         self.num_dropped = 0
+        self.num_moved = [0] * len(self.levels)  # pages that arrived at each level
 
     @property
     def last_level(self) -> int:
@@ -38,55 +57,202 @@ class StorageManager:
         return len(self.queues[level][pool_group])
 
     def num_available(self, level: int, pool_group: int) -> int:
-        """Slots a new page can get now: free ones plus what eviction can free."""
+        """Free slots plus evictable pages (an upper bound of what allocation can get)."""
         return self.num_free(level, pool_group) + self.num_evictable(level, pool_group)
 
-    def can_allocate(self, level: int, counts: Sequence[int]) -> bool:
-        """Whether `counts[pg]` new pages per pool group fit at `level` (with eviction)."""
-        return all(n <= self.num_available(level, pg) for pg, n in enumerate(counts) if n)
+    def can_allocate(
+        self, level: int, counts: Sequence[int], extra_free: Sequence[int] | None = None
+    ) -> bool:
+        """Whether `counts[pg]` new slots per pool group can be made free at `level` (by
+        cascading eviction), counting `extra_free[pg]` slots about to be freed."""
+        for pool_group, count in enumerate(counts):
+            extra = extra_free[pool_group] if extra_free else 0
+            if (
+                count > extra
+                and self._plan(level, pool_group, count - extra, count - extra) is None
+            ):
+                return False
+        return True
 
-    # -- pages -----------------------------------------------------------------------------------
+    # -- allocation ------------------------------------------------------------------------------
 
     def new_pages(self, level: int, pool_group: int, layer_group: int, count: int) -> list[Page]:
         """`count` new pages (evicting if needed), or `OutOfPagesError` and nothing changed.
         The caller must lock or hold each one at once."""
-        if count > self.num_available(level, pool_group):
-            raise OutOfPagesError(
-                f"need {count} pages in pool group {pool_group} at level {level}, only "
-                f"{self.num_free(level, pool_group)} free and {self.num_evictable(level, pool_group)} evictable"
-            )
-        shortfall = count - self.num_free(level, pool_group)
-        if shortfall > 0:
-            self.evict(level, pool_group, shortfall)
+        self.make_room(level, pool_group, count)
         allocator = self.levels[level].pool_groups[pool_group].allocator
-        return [
+        pages = [
             Page(slot, level, pool_group, layer_group)
             for slot in allocator.allocate_multiple(count)
         ]
+        owners = self.pages[level][pool_group]
+        for page in pages:
+            owners[page.slot_id] = page
+        return pages
+
+    def make_room(
+        self, level: int, pool_group: int, count: int, at_least: int | None = None
+    ) -> int:
+        """Free up to `count` slots (at least `at_least`, default all) at `level` by cascading
+        eviction; returns how many are free. `OutOfPagesError`, with nothing changed, when even
+        `at_least` cannot be had."""
+        at_least = count if at_least is None else at_least
+        plan = self._plan(level, pool_group, count, at_least)
+        if plan is None:
+            raise OutOfPagesError(
+                f"cannot free {at_least} slots in pool group {pool_group} at level {level}: "
+                f"{self.num_free(level, pool_group)} free, {self.num_evictable(level, pool_group)} "
+                "evictable, and the pages that would have to move are held with no room below"
+            )
+        self._execute(plan)
+        return min(count, self.num_free(level, pool_group))
+
+    def _plan(self, level: int, pool_group: int, want: int, at_least: int) -> _Plan | None:
+        """Plan freeing up to `want` (at least `at_least`) slots at `level`, or None."""
+        free = self.num_free(level, pool_group)
+        if free >= want:
+            return _Plan(free=want)
+        victims = list(itertools.islice(self.queues[level][pool_group], want - free))
+        if free + len(victims) < at_least:
+            return None
+        if level == self.last_level:
+            # Held pages are never queued at the last level: every victim can be dropped.
+            return _Plan(free=free + len(victims), drops=victims)
+        held = [page for page in victims if page.holds]
+        droppable = [page for page in victims if not page.holds]
+        below = self._plan(level + 1, pool_group, len(victims), len(held))
+        if below is None:
+            return None
+        # The most valuable droppable victims (last in eviction order) move too if there is
+        # room below; the others are dropped.
+        keep = below.free - len(held)
+        moving = held + droppable[len(droppable) - keep :] if keep else held
+        dropped = droppable[: len(droppable) - keep]
+        return _Plan(
+            free=free + len(victims),
+            drops=below.drops + dropped,
+            moves=[*below.moves, (level, moving)],
+        )
+
+    def _execute(self, plan: _Plan) -> None:
+        for page in plan.drops:
+            if page.slot is not None:  # an earlier drop may have orphaned and freed it
+                self._drop(page)
+        for level, pages in plan.moves:
+            alive = [page for page in pages if page.slot is not None and page.level == level]
+            self.migrate(alive, level + 1)
+
+    def make_room_evicting(
+        self, level: int, pool_group: int, count: int, fallback: Sequence[Page]
+    ) -> None:
+        """Free `count` slots, by the usual cascade if it can, else by evicting the given
+        evictable, unheld `fallback` pages (moved down where there is room, else dropped)."""
+        try:
+            self.make_room(level, pool_group, count)
+        except OutOfPagesError:
+            need = count - self.num_free(level, pool_group)
+            victims = [page for page in fallback if page.slot is not None and page.queued][:need]
+            if len(victims) < need:
+                raise
+            self._evict_pages(victims, level, pool_group)
+
+    def _evict_pages(self, victims: list[Page], level: int, pool_group: int) -> None:
+        if level == self.last_level:
+            for page in victims:
+                self._drop(page)
+            return
+        room = self.make_room(level + 1, pool_group, len(victims), at_least=0)
+        for page in victims[: len(victims) - room]:
+            self._drop(page)
+        self.migrate(victims[len(victims) - room :], level + 1)
 
     def evict(self, level: int, pool_group: int, count: int) -> None:
-        """Drop the `count` least valuable evictable pages of a pool group."""
-        queue = self.queues[level][pool_group]
-        if count > len(queue):
-            raise OutOfPagesError(
-                f"need to evict {count} pages in pool group {pool_group}, only {len(queue)} evictable"
-            )
-        for _ in range(count):
-            self._drop(queue.pop())
+        """Evict the `count` least valuable evictable pages of a pool group from `level`."""
+        self.make_room(level, pool_group, self.num_free(level, pool_group) + count)
 
     def _drop(self, page: Page) -> None:
+        if page.queued:
+            self.queues[page.level][page.pool_group].remove(page)
         orphans = self.on_drop(page) if page.block is not None else []
         self._free(page)
         self.num_dropped += 1
         for orphan in orphans:
             self.settle(orphan)
 
-    def _free(self, page: Page) -> None:
+    def _free(self, page: Page, ready_event: object = None) -> None:
         assert page.slot is not None and page.locks == 0 and page.holds == 0, page
         if page.queued:
             self.queues[page.level][page.pool_group].remove(page)
+        del self.pages[page.level][page.pool_group][page.slot_id]
         self.levels[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
         page.slot = None
+
+    # -- migration -------------------------------------------------------------------------------
+
+    def migrate(self, pages: Sequence[Page], level: int) -> None:
+        """Move pages (any levels, one pool group each) to `level`, copying their bytes in
+        batches. The destination must have free slots. On a copy error nothing moves: the
+        error is raised, the sources stay valid and the destination slots are released."""
+        batches: dict[tuple[int, int], list[Page]] = {}
+        for page in pages:
+            if page.level != level:
+                batches.setdefault((page.level, page.pool_group), []).append(page)
+        for (source_level, pool_group), batch in batches.items():
+            self._migrate_batch(batch, source_level, level, pool_group)
+
+    def _migrate_batch(
+        self, batch: list[Page], source_level: int, level: int, pool_group: int
+    ) -> None:
+        allocator = self.levels[level].pool_groups[pool_group].allocator
+        slots = allocator.allocate_multiple(len(batch))
+        for slot in slots:
+            if slot.ready_event is not None:
+                slot.ready_event.wait()  # the slot's previous copy must be done before we write
+        source_group = self.levels[source_level].pool_groups[pool_group]
+        event = self.copier.copy(
+            source_group,
+            self.levels[level].pool_groups[pool_group],
+            [(page.slot_id, slot.slot_id) for page, slot in zip(batch, slots, strict=True)],
+        )
+        try:
+            event.check()
+        except BaseException:
+            for slot in slots:
+                allocator.release(slot)
+            raise
+        source_pages, target_pages = (
+            self.pages[source_level][pool_group],
+            self.pages[level][pool_group],
+        )
+        for page, slot in zip(batch, slots, strict=True):
+            if page.queued:
+                self.queues[source_level][pool_group].remove(page)
+            assert page.slot is not None
+            del source_pages[page.slot_id]
+            source_group.allocator.release(page.slot, ready_event=event)
+            slot.ready_event = event
+            page.slot, page.level = slot, level
+            target_pages[slot.slot_id] = page
+            self.settle(page)
+        self.num_moved[level] += len(batch)
+
+    def copy_pages(self, pairs: Iterable[tuple[Page, Page]]) -> None:
+        """Copy each source page's bytes into its destination page (any levels)."""
+        batches: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        for source, destination in pairs:
+            assert source.pool_group == destination.pool_group
+            key = (source.level, destination.level, source.pool_group)
+            batches.setdefault(key, []).append((source.slot_id, destination.slot_id))
+        events = [
+            self.copier.copy(
+                self.levels[src].pool_groups[pg], self.levels[dst].pool_groups[pg], slot_pairs
+            )
+            for (src, dst, pg), slot_pairs in batches.items()
+        ]
+        for event in events:
+            event.check()
+
+    # -- ownership -------------------------------------------------------------------------------
 
     def is_evictable(self, page: Page) -> bool:
         """Committed pages nobody owns; held pages too, except at the last level (they could
@@ -98,7 +264,7 @@ class StorageManager:
         return page.block is not None
 
     def settle(self, page: Page) -> None:
-        """After a page's owners or block changed: free it, queue it or unqueue it."""
+        """After a page's owners, block or level changed: free it, queue it or unqueue it."""
         if page.slot is None:
             return
         if not page.locks and not page.holds and page.block is None:
@@ -127,16 +293,8 @@ class StorageManager:
         page.holds -= 1
         self.settle(page)
 
-    def copy_slots(
-        self, level: int, pool_group: int, sources: Sequence[int], destinations: Sequence[int]
-    ) -> None:
-        """Copy whole slots (every pool of the group) inside one level."""
-        group = self.levels[level].pool_groups[pool_group]
-        for pool in range(len(group.slot_sizes)):
-            view = group.pool_view(pool)
-            view[list(destinations)] = view[list(sources)]
-
     def close(self) -> None:
+        self.copier.close()
         for level in self.levels:
             level.close()
         self.levels = []
