@@ -308,15 +308,19 @@ class KVCacheManager:
             for g in range(self.layout.num_layer_groups):
                 table = cache.get_base_page_indices(g)
                 for index, page in enumerate(cache.pages(g)):
+                    if page is not None:
+                        pages[id(page)] = page
+                        counts = locks if active else holds
+                        counts[id(page)] = counts.get(id(page), 0) + 1
+                    if not active:
+                        continue  # a suspended request's table is refreshed on resume
                     expected = -1 if page is None else page.slot_id
                     if table[index] != expected:
                         problems.append(
                             f"cache {cache.id} group {g} block {index}: table {table[index]} != {expected}"
                         )
-                    if page is not None:
-                        pages[id(page)] = page
-                        counts = locks if active else holds
-                        counts[id(page)] = counts.get(id(page), 0) + 1
+                    if page is not None and page.level != 0:
+                        problems.append(f"cache {cache.id} is active but {page} is not on the GPU")
             for _, index, page in cache._deferred:
                 if index < 0:
                     pages[id(page)] = page
@@ -352,6 +356,8 @@ class KVCacheManager:
                 )
             if not page.locks and not page.holds and page.block is None:
                 problems.append(f"{page}: nobody owns it and it is not cached")
+            if storage.pages[page.level][page.pool_group].get(page.slot_id) is not page:
+                problems.append(f"{page} is missing from the slot registry")
             slots = used.setdefault((page.level, page.pool_group), set())
             if page.slot_id in slots:
                 problems.append(
@@ -362,6 +368,8 @@ class KVCacheManager:
             for pg, group in enumerate(level_storage.pool_groups):
                 group.allocator.check_invariants()
                 occupied = group.allocator.num_occupied_slots
+                if occupied != len(storage.pages[level][pg]):
+                    problems.append(f"level {level} pool group {pg}: slot registry out of date")
                 if occupied != len(used.get((level, pg), ())):
                     problems.append(
                         f"level {level} pool group {pg}: {occupied} slots occupied, {len(used.get((level, pg), ()))} pages"

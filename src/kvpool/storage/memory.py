@@ -74,6 +74,16 @@ def _check_size(name: str, value: int, maximum: int | None = None) -> None:
         raise ArgumentError(f"{name}={value!r} is invalid: must be <= the reserved {maximum} bytes")
 
 
+def _reserve(size: int) -> mmap.mmap:
+    """Anonymous private address space; MAP_NORESERVE: memory is committed only on touch."""
+    return mmap.mmap(
+        -1,
+        max(size, 1),
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    )
+
+
 class HostMemory(Memory):
     """Host RAM: one anonymous mapping reserved at `max_size`; pages become resident on touch."""
 
@@ -86,13 +96,7 @@ class HostMemory(Memory):
         _check_size("size", size, max_size)
         self._max_size = max_size
         self._size = size
-        # MAP_NORESERVE: the reservation is address space only; memory is committed on touch.
-        self._map: mmap.mmap | None = mmap.mmap(
-            -1,
-            max(max_size, 1),
-            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-            prot=mmap.PROT_READ | mmap.PROT_WRITE,
-        )
+        self._map: mmap.mmap | None = _reserve(max_size)
         self.array: Bytes = np.frombuffer(self._map, dtype=np.uint8, count=max_size)
         """The whole reservation as a writable array; only [0, size) is in use."""
 
@@ -105,13 +109,30 @@ class HostMemory(Memory):
         return self._max_size
 
     def resize(self, new_size: int) -> None:
-        _check_size("new_size", new_size, self._max_size)
-        if new_size < self._size and self._map is not None:
+        """Move the logical end. Within the reservation addresses stay; growing past it maps a
+        larger reservation and copies the contents (addresses change: re-fetch views)."""
+        _check_size("new_size", new_size)
+        if self._map is None:
+            raise StorageError(errno.EBADF, "the host memory is closed")
+        if new_size > self._max_size:
+            self._remap(new_size)
+        elif new_size < self._size:
             start = -(-new_size // PAGE_SIZE) * PAGE_SIZE
             end = min(-(-self._size // PAGE_SIZE) * PAGE_SIZE, self._max_size)
             if start < end:
                 self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
         self._size = new_size
+
+    def _remap(self, new_max: int) -> None:
+        old_map, old_array = self._map, self.array
+        self._map = _reserve(new_max)
+        self.array = np.frombuffer(self._map, dtype=np.uint8, count=new_max)
+        self.array[: self._size] = old_array[: self._size]
+        self._max_size = new_max
+        del old_array
+        with contextlib.suppress(BufferError):
+            assert old_map is not None
+            old_map.close()
 
     def read(self, offset: int, nbytes: int) -> Bytes:
         self._check_range(offset, nbytes)
