@@ -21,7 +21,7 @@ from kvpool.config import (
 from kvpool.errors import ArgumentError, CorruptedError, LogicError
 from kvpool.layout import KVLayout
 from kvpool.radix import RadixTree, Token, root_key
-from kvpool.storage.pools import LevelStorage
+from kvpool.storage.pools import LevelStorage, slot_counts_from_ratio
 from kvpool.tiers import StorageManager
 
 # The request shape that sizes pool groups when the config names none.
@@ -175,6 +175,26 @@ class KVCacheManager:
     def get_quota(self, level: int) -> int:
         """The level's byte budget; its pools use at most this much."""
         return self.level_storage(level).quota
+
+    def resize(self, level: int, quota: int) -> bool:
+        """Change a level's byte budget at run time, keeping its current split between pool
+        groups. Every open request must be suspended. Shrinking pushes pages down a level (or
+        drops cached ones at the last level) and compacts the rest; returns False, with nothing
+        changed, when the pages that must stay (held pages at the last level) do not fit."""
+        storage = self.level_storage(level)
+        active = sum(1 for cache in self._living.values() if cache.status is KVCacheStatus.ACTIVE)
+        if active:
+            raise LogicError(f"resize() needs every KV cache suspended; {active} are active")
+        if isinstance(quota, bool) or not isinstance(quota, int) or quota <= 0:
+            raise ArgumentError(f"quota={quota!r} is invalid: must be an integer >= 1")
+        sizes = [group.slot_sizes for group in storage.pool_groups]
+        counts = slot_counts_from_ratio(
+            quota, sizes, storage.ratio, storage.granularity, self._min_slots
+        )
+        if not self._storage.resize_level(level, counts, quota):
+            return False
+        self._after_call()
+        return True
 
     def get_slot_counts(self, level: int) -> list[int]:
         """Slots per pool group at `level`."""

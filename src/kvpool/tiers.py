@@ -115,24 +115,100 @@ class StorageManager:
         victims = list(itertools.islice(self.queues[level][pool_group], want - free))
         if free + len(victims) < at_least:
             return None
+        plan = self._plan_eviction(level, pool_group, victims)
+        if plan is not None:
+            plan.free += free
+        return plan
+
+    def _plan_eviction(self, level: int, pool_group: int, victims: list[Page]) -> _Plan | None:
+        """Plan where evicted pages go: held ones must find room below, droppable ones move
+        down while there is room (the most valuable first) and are dropped otherwise."""
         if level == self.last_level:
             # Held pages are never queued at the last level: every victim can be dropped.
-            return _Plan(free=free + len(victims), drops=victims)
+            return _Plan(free=len(victims), drops=list(victims))
         held = [page for page in victims if page.holds]
         droppable = [page for page in victims if not page.holds]
         below = self._plan(level + 1, pool_group, len(victims), len(held))
         if below is None:
             return None
-        # The most valuable droppable victims (last in eviction order) move too if there is
-        # room below; the others are dropped.
         keep = below.free - len(held)
         moving = held + droppable[len(droppable) - keep :] if keep else held
         dropped = droppable[: len(droppable) - keep]
         return _Plan(
-            free=free + len(victims),
-            drops=below.drops + dropped,
-            moves=[*below.moves, (level, moving)],
+            free=len(victims), drops=below.drops + dropped, moves=[*below.moves, (level, moving)]
         )
+
+    def resize_level(self, level: int, counts: Sequence[int], quota: int | None = None) -> bool:
+        """Give each pool group of `level` its new slot count (and the level a new quota):
+        shrink first (freeing memory), then expand. False, with nothing changed, when a
+        shrinking group's pages that must stay do not fit."""
+        storage = self.levels[level]
+        old = storage.slot_counts
+        shrinking = [pg for pg, (new, was) in enumerate(zip(counts, old, strict=True)) if new < was]
+        plans: list[_Plan] = []
+        for pg in shrinking:
+            plan = self._plan_shrink(level, pg, counts[pg])
+            if plan is None:
+                for done in shrinking[: len(plans)]:
+                    storage.pool_groups[done].allocator.cancel_shrink()
+                return False
+            plans.append(plan)
+        for pg, plan in zip(shrinking, plans, strict=True):
+            self._execute(plan)
+            self.finish_shrink(level, pg, counts[pg])
+        if quota is not None:
+            storage.quota = quota
+        for pg, (new, was) in enumerate(zip(counts, old, strict=True)):
+            if new > was:
+                storage.expand_pool_group(pg, new)
+        return True
+
+    def shrink_pool_group(self, level: int, pool_group: int, new_num_slots: int) -> bool:
+        """Shrink a pool group whose pages are not locked: pages in the removed slot range move
+        into free slots below it, after evicting (down a level, or dropping at the last level)
+        the least valuable pages if there are not enough. False, with nothing changed, when the
+        pages that must stay at this level do not fit."""
+        group = self.levels[level].pool_groups[pool_group]
+        if new_num_slots >= group.num_slots:
+            return True
+        plan = self._plan_shrink(level, pool_group, new_num_slots)
+        if plan is None:
+            return False
+        self._execute(plan)
+        self.finish_shrink(level, pool_group, new_num_slots)
+        return True
+
+    def finish_shrink(self, level: int, pool_group: int, new_num_slots: int) -> None:
+        """After the planned evictions: move the pages left in the removed range into free
+        slots below it (defragmenting copy), then shrink the allocator and the memory."""
+        allocator = self.levels[level].pool_groups[pool_group].allocator
+        blocking = [self.pages[level][pool_group][i] for i in allocator.get_slots_blocking_shrink()]
+        if blocking:
+            self._migrate_batch(blocking, level, level, pool_group)
+        self.levels[level].shrink_pool_group(pool_group, new_num_slots)
+
+    def _plan_shrink(self, level: int, pool_group: int, new_num_slots: int) -> _Plan | None:
+        """Schedule the allocator's shrink and plan the evictions it needs (or cancel, None)."""
+        allocator = self.levels[level].pool_groups[pool_group].allocator
+        allocator.prepare_for_shrink(new_num_slots)
+        free_below = allocator.num_free_slots  # ids under the new size only, now
+        blocking = set(allocator.get_slots_blocking_shrink())
+        victims: list[Page] = []
+        queue = self.queues[level][pool_group]
+        for page in queue:
+            if free_below >= len(blocking):
+                break
+            victims.append(page)
+            if page.slot_id in blocking:
+                blocking.discard(page.slot_id)
+            else:
+                free_below += 1
+        plan = (
+            self._plan_eviction(level, pool_group, victims) if free_below >= len(blocking) else None
+        )
+        if plan is None:
+            allocator.cancel_shrink()
+        return plan
 
     def _execute(self, plan: _Plan) -> None:
         for page in plan.drops:
