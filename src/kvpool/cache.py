@@ -36,10 +36,6 @@ PriorityCallback = Callable[[int, int], int]
 """(block ordinal, layer group id) -> eviction priority in [0, 100]; lower is evicted first."""
 
 
-class _Refused(Exception):
-    """Internal: resume() cannot get the room it needs."""
-
-
 class KVCacheStatus(Enum):
     ACTIVE = "active"
     SUSPENDED = "suspended"
@@ -143,33 +139,26 @@ class KVCache:
             if total and used / total > self._ctx.max_util_for_resume:
                 return False
         ours = [page for pages in self._pages for page in pages if page is not None]
-        needs = [0] * layout.num_pool_groups
-        for page in ours:
-            if page.level != GPU_LEVEL:
-                needs[page.pool_group] += 1
+        extra = [0] * layout.num_pool_groups  # private copies made on first resume
         for g, block, _ in self._deferred:
             if block >= 0:
-                needs[layout.pool_group_of[g]] += 1
+                extra[layout.pool_group_of[g]] += 1
         for g in self._ssm:
             if self._pages[g][0] is None:
-                needs[layout.pool_group_of[g]] += 1
+                extra[layout.pool_group_of[g]] += 1
         for page in ours:  # locked pages are never evicted: ours stay put while we make room
             storage.lock(page)
             storage.unhold(page)
+        moved = False
         try:
-            if not storage.can_allocate(GPU_LEVEL, needs):
-                raise _Refused
-            for pool_group, count in enumerate(needs):
-                if count:
-                    storage.make_room(GPU_LEVEL, pool_group, count)
-            storage.migrate(ours, GPU_LEVEL)
-        except BaseException as error:
-            for page in ours:
-                storage.hold(page)
-                storage.unlock(page)
-            if isinstance(error, _Refused):
-                return False
-            raise
+            moved = storage.bring_to(ours, GPU_LEVEL, extra)
+        finally:
+            if not moved:
+                for page in ours:
+                    storage.hold(page)
+                    storage.unlock(page)
+        if not moved:
+            return False
         self._status = KVCacheStatus.ACTIVE
         for g, table_pages in enumerate(self._pages):  # slot ids changed where pages moved
             for index, held in enumerate(table_pages):

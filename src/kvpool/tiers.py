@@ -13,10 +13,11 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.errors import OutOfPagesError
+from kvpool.errors import CorruptedError, OutOfPagesError
 from kvpool.eviction import EvictionQueue
 from kvpool.pages import Page
 from kvpool.storage.copier import Copier
+from kvpool.storage.memory import Bytes
 from kvpool.storage.pools import LevelStorage
 
 
@@ -43,6 +44,7 @@ class StorageManager:
         self.on_drop: Callable[[Page], list[Page]] = lambda page: []
         self.num_dropped = 0
         self.num_moved = [0] * len(self.levels)  # pages that arrived at each level
+        self.num_swapped = 0  # pages brought up by staging them through RAM
 
     @property
     def last_level(self) -> int:
@@ -311,6 +313,74 @@ class StorageManager:
             target_pages[slot.slot_id] = page
             self.settle(page)
         self.num_moved[level] += len(batch)
+
+    def bring_to(self, pages: Sequence[Page], level: int, extra: Sequence[int]) -> bool:
+        """Move `pages` (locked by the caller, so never chosen for eviction) to `level` and
+        leave `extra[pg]` more free slots there, pushing other pages down as needed. All or
+        nothing: False when it cannot be done.
+
+        When the colder levels are full too, the pages swap places with the pages they push
+        down: their bytes are staged in RAM, their slots freed for the pushed pages, and then
+        written to their new slots."""
+        needs = list(extra)
+        for page in pages:
+            if page.level != level:
+                needs[page.pool_group] += 1
+        if self.can_allocate(level, needs):
+            for pool_group, count in enumerate(needs):
+                if count:
+                    self.make_room(level, pool_group, count)
+            self.migrate(pages, level)
+            return True
+        staged = [
+            (page, page.level, self._read_page(page)) for page in pages if page.level != level
+        ]
+        if not staged:
+            return False
+        for page, _, _ in staged:
+            self._release_slot(page)
+        if not self.can_allocate(level, needs):
+            for page, old_level, data in staged:  # put them back where they were
+                self._place(page, [old_level], data)
+            return False
+        self.num_swapped += len(staged)
+        try:
+            for pool_group, count in enumerate(needs):
+                if count:
+                    self.make_room(level, pool_group, count)
+        finally:  # on an I/O error, keep every page somewhere, the GPU level first
+            for page, old_level, data in staged:
+                self._place(page, [level, old_level, *range(len(self.levels))], data)
+        return True
+
+    def _read_page(self, page: Page) -> list[Bytes]:
+        group = self.levels[page.level].pool_groups[page.pool_group]
+        return [
+            memory.read(page.slot_id * size, size)
+            for memory, size in zip(group.memories, group.slot_sizes, strict=True)
+        ]
+
+    def _release_slot(self, page: Page) -> None:
+        """Take a (staged) page out of its slot; `_place` gives it a new one."""
+        assert page.slot is not None and not page.queued
+        del self.pages[page.level][page.pool_group][page.slot_id]
+        self.levels[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
+        page.slot = None
+
+    def _place(self, page: Page, levels: Sequence[int], data: list[Bytes]) -> None:
+        for level in levels:
+            group = self.levels[level].pool_groups[page.pool_group]
+            if group.allocator.num_free_slots:
+                slot = group.allocator.allocate()
+                if slot.ready_event is not None:
+                    slot.ready_event.wait()
+                for memory, size, part in zip(group.memories, group.slot_sizes, data, strict=True):
+                    memory.write(slot.slot_id * size, part)
+                page.slot, page.level = slot, level
+                self.pages[level][page.pool_group][slot.slot_id] = page
+                self.settle(page)
+                return
+        raise CorruptedError(f"no free slot at any level for staged {page}: its KV is lost")
 
     def copy_pages(self, pairs: Iterable[tuple[Page, Page]]) -> None:
         """Copy each source page's bytes into its destination page (any levels)."""

@@ -1,0 +1,357 @@
+"""Host and disk levels: cascading eviction, reuse from colder levels, suspend/resume under
+pressure, the resume gate, quota resize, prefetch and I/O faults, all verified byte for byte."""
+
+import errno
+import os
+import random
+
+import pytest
+
+from kvpool import (
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
+    KVCacheStatus,
+    LogicError,
+    StorageError,
+)
+from tests.engine_check import CheckingEngine
+from tests.helpers import MiB, hybrid_layers, make_config, record_layer
+
+TPB = 16
+# One pool group of 64 KiB slots (2 layers x K, V x 16 KiB): 32 slots per 2 MiB.
+LAYERS = [record_layer(i, TPB, repeats=64) for i in range(2)]
+
+
+def tiers(tmp_path, gpu=2, host=2, disk=4):
+    result = [GpuCacheTierConfig(gpu * MiB)]
+    if host:
+        result.append(HostCacheTierConfig(host * MiB))
+    if disk:
+        result.append(DiskCacheTierConfig(disk * MiB, str(tmp_path)))
+    return result
+
+
+@pytest.fixture
+def make(tmp_path):
+    managers = []
+
+    def build(layers=LAYERS, **kwargs):
+        kwargs.setdefault("tiers", tiers(tmp_path))
+        m = KVCacheManager(make_config(layers=layers, tokens_per_block=TPB, **kwargs))
+        managers.append(m)
+        return m, CheckingEngine(m)
+
+    yield build
+    for m in managers:
+        for cache in list(m._living.values()):
+            cache.close()
+        m.shutdown()
+
+
+def levels_of(m, tokens):
+    """Level of each cached block page along the chain of `tokens` (full blocks)."""
+    match = m._tree.match(
+        __import__("kvpool.radix", fromlist=["root_key"]).root_key(None), tokens, False
+    )
+    return [page.level for block in match.blocks for page in block.pages if page is not None]
+
+
+def write_and_close(m, engine, tokens):
+    cache = m.create_kv_cache(None, tokens)
+    reused = cache.num_committed_tokens
+    assert cache.resume()
+    engine.check(cache, tokens)
+    if reused < len(tokens):
+        assert engine.step(cache, tokens, tokens[reused:])
+    engine.check(cache, tokens)
+    cache.close()
+    return reused
+
+
+def fill(m, engine, seed, blocks):
+    """Other traffic: a request of `blocks` blocks, written and closed (cached)."""
+    tokens = [seed + i for i in range(blocks * TPB)]
+    write_and_close(m, engine, tokens)
+
+
+@pytest.mark.parametrize("with_host", [True, False], ids=["gpu-host-disk", "gpu-disk"])
+def test_pages_travel_down_and_come_back_byte_for_byte(make, tmp_path, with_host):
+    m, engine = make(tiers=tiers(tmp_path, host=2 if with_host else 0))
+    prompt = list(range(1, 4 * TPB + 1))
+    write_and_close(m, engine, prompt)
+    assert levels_of(m, prompt) == [0] * 4
+    fill(m, engine, 10_000, 32)  # GPU full: the prompt's pages move one level down
+    assert levels_of(m, prompt) == [1] * 4
+    if with_host:
+        fill(m, engine, 20_000, 32)  # and again: host full, they reach the disk
+        assert levels_of(m, prompt) == [2] * 4
+    disk = m.num_levels - 1
+    assert m._storage.num_moved[disk] >= 4
+    checked = engine.records_checked
+    assert write_and_close(m, engine, prompt + [7]) == 4 * TPB  # reused from disk, verified
+    assert engine.records_checked > checked
+    assert m.num_dropped_pages == 0
+
+
+def test_last_level_drops_and_held_pages_are_never_dropped(make, tmp_path):
+    m, engine = make(tiers=tiers(tmp_path, gpu=2, host=2, disk=0))  # 32 + 32 slots
+    held_tokens = list(range(1, 10 * TPB + 1))
+    held = m.create_kv_cache(None, held_tokens)
+    assert held.resume() and engine.step(held, held_tokens, held_tokens)
+    held.suspend()  # 10 held pages, evictable down to host but never dropped
+    for i in range(6):
+        fill(m, engine, 100_000 * (i + 1), 20)
+    assert m.num_dropped_pages > 0
+    assert {p.level for p in held.pages(0)} == {1}  # pushed to host, kept
+    assert held.resume()
+    engine.check(held, held_tokens)
+    held.close()
+
+
+def test_allocation_that_would_drop_a_held_page_fails_and_changes_nothing(make, tmp_path):
+    m, engine = make(tiers=tiers(tmp_path, gpu=2, host=2, disk=0))
+    requests = []
+    for i in range(3):  # 3 x 20 held pages = 60 of the 64 slots
+        tokens = [i * 1000 + t for t in range(20 * TPB)]
+        cache = m.create_kv_cache()
+        assert cache.resume() and engine.step(cache, tokens, tokens)
+        cache.suspend()
+        requests.append((cache, tokens))
+    greedy = m.create_kv_cache()
+    assert greedy.resume()
+    before = [(s.free, s.evictable) for level in range(2) for s in m.get_storage_statistics(level)]
+    assert not greedy.resize(10 * TPB)  # would need to drop held pages
+    assert [
+        (s.free, s.evictable) for level in range(2) for s in m.get_storage_statistics(level)
+    ] == before
+    assert greedy.resize(4 * TPB)
+    greedy.close()
+    for cache, tokens in requests:
+        # Every level is nearly full of held pages: resuming swaps pages with those it pushes down.
+        assert cache.resume()
+        engine.check(cache, tokens)
+        cache.suspend()
+    assert m._storage.num_swapped > 0
+    for cache, tokens in reversed(requests):
+        assert cache.resume()
+        engine.check(cache, tokens)
+        cache.close()
+
+
+def test_suspend_resume_in_random_order_under_pressure(make, tmp_path):
+    m, engine = make(tiers=tiers(tmp_path, gpu=2, host=2, disk=4))  # 32 + 32 + 64 slots
+    rng = random.Random(7)
+    requests = []
+    for i in range(24):
+        tokens = [rng.randrange(1 << 30) for _ in range(rng.randrange(2, 7) * TPB)]
+        requests.append({"tokens": tokens, "cache": m.create_kv_cache(), "done": 0})
+    resumed = suspended = failed = 0
+    for _ in range(1500):
+        request = rng.choice(requests)
+        cache, tokens = request["cache"], request["tokens"]
+        if cache.status is KVCacheStatus.CLOSED:
+            continue
+        if cache.status is KVCacheStatus.SUSPENDED:
+            if cache.resume():
+                resumed += 1
+                engine.check(cache, tokens)
+            else:
+                failed += 1
+            continue
+        if rng.random() < 0.3:
+            cache.suspend()
+            suspended += 1
+            continue
+        done = cache.history_length
+        if done == len(tokens):
+            engine.check(cache, tokens)
+            cache.close()
+            continue
+        if not engine.step(cache, tokens, tokens[done : done + rng.randrange(1, 20)]):
+            cache.suspend()
+            suspended += 1
+    assert resumed > 100 and suspended > 100, (resumed, suspended, failed)
+    assert max(m._storage.num_moved) > 50
+    for request in requests:
+        cache = request["cache"]
+        if cache.status is KVCacheStatus.SUSPENDED and cache.resume():
+            engine.check(cache, request["tokens"])
+        cache.close()
+
+
+def test_resume_gate_is_per_pool_group_not_byte_weighted(make, tmp_path):
+    # Group 0: window layers with 64 KiB slots (32 per 2 MiB); group 1: full attention with
+    # 4 KiB slots. The GPU holds 2 MiB of each: the small group is mostly empty.
+    layers = [record_layer(0, TPB, window=32, repeats=128), record_layer(1, TPB, repeats=8)]
+    m, engine = make(
+        layers=layers,
+        tiers=tiers(tmp_path, gpu=4, host=4, disk=0),
+        max_util_for_resume=0.9,
+        initial_pool_ratio=[0.5, 0.5],
+    )
+    stats = m.get_storage_statistics(0)
+    assert [s.total for s in stats] == [32, 512]
+    waiting = m.create_kv_cache()
+    runner = m.create_kv_cache()
+    assert runner.resume()
+    assert runner.resize(30 * TPB)  # 30 of 32 big slots locked: 94%
+    stats = m.get_storage_statistics(0)
+    used_bytes = sum(s.unavailable * sum(s.slot_sizes) for s in stats)
+    total_bytes = sum(s.total * sum(s.slot_sizes) for s in stats)
+    assert stats[0].unavailable / stats[0].total > 0.9 > used_bytes / total_bytes
+    assert not waiting.resume()
+    assert waiting.status is KVCacheStatus.SUSPENDED
+    runner.close()
+    assert waiting.resume()
+    waiting.close()
+
+
+def test_quota_resize_shrinks_and_expands_every_level_with_data(make, tmp_path):
+    m, engine = make(tiers=tiers(tmp_path, gpu=4, host=4, disk=8))  # 64 + 64 + 128 slots
+    rng = random.Random(3)
+    caches = []
+    for i in range(6):
+        tokens = [rng.randrange(1 << 30) for _ in range(8 * TPB)]
+        cache = m.create_kv_cache()
+        assert cache.resume() and engine.step(cache, tokens, tokens)
+        cache.suspend()
+        caches.append((cache, tokens))
+    cached = [i * 7 for i in range(40 * TPB)]
+    write_and_close(m, engine, cached)  # 40 cached blocks
+    with pytest.raises(
+        LogicError, match="resize\\(\\) needs every KV cache suspended; 1 are active"
+    ):
+        caches[0][0].resume()
+        m.resize(0, 2 * MiB)
+    caches[0][0].suspend()
+    for level, small in ((0, 2 * MiB), (1, 2 * MiB), (2, 4 * MiB)):
+        assert m.resize(level, small)
+        assert m.get_quota(level) == small
+        assert m.get_storage_statistics(level)[0].total == small // (64 * 1024)
+    for level, big in ((0, 4 * MiB), (1, 4 * MiB), (2, 8 * MiB)):
+        assert m.resize(level, big)
+    for cache, tokens in caches:
+        assert cache.resume()
+        engine.check(cache, tokens)
+        cache.suspend()
+    # Prefetch: newer traffic pushes the suspended requests' pages to disk; prefetch brings
+    # every disk page of one of them back to the host.
+    fill(m, engine, 50_000, 60)
+    fill(m, engine, 60_000, 60)
+    for cache, tokens in caches:
+        if any(p.level == 2 for p in cache.pages(0)):
+            assert cache.prefetch(1)
+            assert all(p.level <= 1 for p in cache.pages(0))
+            assert cache.resume()
+            engine.check(cache, tokens)
+            cache.suspend()
+            break
+    else:
+        pytest.fail("no request had pages on disk")
+    reused = write_and_close(m, engine, cached + [1])
+    assert reused >= 0
+
+
+def test_quota_resize_that_cannot_hold_the_held_pages_changes_nothing(make, tmp_path):
+    m, engine = make(tiers=tiers(tmp_path, gpu=2, host=4, disk=0))  # 32 + 64 slots
+    for i in range(3):  # 72 held pages: at least 40 on the host, the last level
+        tokens = [i * 10_000 + t for t in range(24 * TPB)]
+        cache = m.create_kv_cache()
+        assert cache.resume() and engine.step(cache, tokens, tokens)
+        cache.suspend()
+    before = [
+        (s.total, s.free, s.evictable)
+        for level in range(2)
+        for s in m.get_storage_statistics(level)
+    ]
+    assert not m.resize(1, 2 * MiB)
+    assert [
+        (s.total, s.free, s.evictable)
+        for level in range(2)
+        for s in m.get_storage_statistics(level)
+    ] == before
+    assert m.get_quota(1) == 4 * MiB
+    m.check_invariants()
+
+
+def test_prefetch_only_for_suspended_requests(make):
+    m, _ = make()
+    cache = m.create_kv_cache()
+    cache.resume()
+    with pytest.raises(LogicError, match="prefetch\\(\\) on KV cache 0, which is active"):
+        cache.prefetch(1)
+    cache.suspend()
+    with pytest.raises(Exception, match="level=5 is invalid"):
+        cache.prefetch(5)
+    assert cache.prefetch(0)
+
+
+def disk_fd(m):
+    return m._storage.levels[-1].pool_groups[0].memories[0].fileno
+
+
+def test_failed_disk_write_leaves_the_page_on_host_and_reusable(make, tmp_path, monkeypatch):
+    m, engine = make()
+    prompt = list(range(1, 4 * TPB + 1))
+    write_and_close(m, engine, prompt)
+    fill(m, engine, 10_000, 32)
+    assert levels_of(m, prompt) == [1] * 4  # on host
+    fd, real = disk_fd(m), os.pwritev
+
+    def full_disk(file, buffers, offset):
+        if file == fd:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(file, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", full_disk)
+    with pytest.raises(StorageError, match="No space left on device"):
+        fill(m, engine, 20_000, 32)  # host must push to disk: fails
+    monkeypatch.undo()
+    for cache in list(m._living.values()):
+        cache.close()
+    m.check_invariants()
+    assert all(level in (0, 1) for level in levels_of(m, prompt))
+    assert write_and_close(m, engine, prompt + [9]) == 4 * TPB  # verified
+    disk = m.get_storage_statistics(2)[0]
+    assert disk.free + disk.evictable == disk.total  # no slot leaked
+
+
+def test_failed_disk_read_keeps_the_request_suspended_and_consistent(make, tmp_path, monkeypatch):
+    m, engine = make()
+    tokens = list(range(1, 6 * TPB + 1))
+    cache = m.create_kv_cache()
+    assert cache.resume() and engine.step(cache, tokens, tokens)
+    cache.suspend()
+    fill(m, engine, 10_000, 32)
+    fill(m, engine, 20_000, 32)
+    assert {p.level for p in cache.pages(0)} == {2}
+    fd, real = disk_fd(m), os.preadv
+
+    def bad_sector(file, buffers, offset):
+        if file == fd:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(file, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", bad_sector)
+    with pytest.raises(StorageError, match="disk level read .* Input/output error"):
+        cache.resume()
+    monkeypatch.undo()
+    assert cache.status is KVCacheStatus.SUSPENDED
+    m.check_invariants()
+    assert cache.resume()
+    engine.check(cache, tokens)
+    cache.close()
+
+
+def test_hybrid_model_across_three_levels(make, tmp_path):
+    layers = hybrid_layers(TPB, num_layers=4, window=32, sinks=4, repeats=64)
+    m, engine = make(layers=layers)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1 << 30) for _ in range(5 * TPB)] for _ in range(10)]
+    for prompt in prompts:
+        write_and_close(m, engine, prompt)
+    hits = sum(write_and_close(m, engine, prompt + [1]) for prompt in prompts)
+    assert hits > 0
+    assert m._storage.num_moved[2] > 0
