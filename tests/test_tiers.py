@@ -144,9 +144,9 @@ def test_suspend_resume_in_random_order_under_pressure(make, tmp_path):
     m, engine = make(tiers=tiers(tmp_path, gpu=2, host=2, disk=4))  # 32 + 32 + 64 slots
     rng = random.Random(7)
     requests = []
-    for i in range(24):
+    for _ in range(24):
         tokens = [rng.randrange(1 << 30) for _ in range(rng.randrange(2, 7) * TPB)]
-        requests.append({"tokens": tokens, "cache": m.create_kv_cache(), "done": 0})
+        requests.append({"tokens": tokens, "cache": m.create_kv_cache()})
     resumed = suspended = failed = 0
     for _ in range(1500):
         request = rng.choice(requests)
@@ -185,7 +185,7 @@ def test_resume_gate_is_per_pool_group_not_byte_weighted(make, tmp_path):
     # Group 0: window layers with 64 KiB slots (32 per 2 MiB); group 1: full attention with
     # 4 KiB slots. The GPU holds 2 MiB of each: the small group is mostly empty.
     layers = [record_layer(0, TPB, window=32, repeats=128), record_layer(1, TPB, repeats=8)]
-    m, engine = make(
+    m, _ = make(
         layers=layers,
         tiers=tiers(tmp_path, gpu=4, host=4, disk=0),
         max_util_for_resume=0.9,
@@ -212,7 +212,7 @@ def test_quota_resize_shrinks_and_expands_every_level_with_data(make, tmp_path):
     m, engine = make(tiers=tiers(tmp_path, gpu=4, host=4, disk=8))  # 64 + 64 + 128 slots
     rng = random.Random(3)
     caches = []
-    for i in range(6):
+    for _ in range(6):
         tokens = [rng.randrange(1 << 30) for _ in range(8 * TPB)]
         cache = m.create_kv_cache()
         assert cache.resume() and engine.step(cache, tokens, tokens)
@@ -335,7 +335,7 @@ def test_failed_disk_read_keeps_the_request_suspended_and_consistent(make, tmp_p
         return real(file, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", bad_sector)
-    with pytest.raises(StorageError, match="disk level read .* Input/output error"):
+    with pytest.raises(StorageError, match=r"disk level read .* Input/output error"):
         cache.resume()
     monkeypatch.undo()
     assert cache.status is KVCacheStatus.SUSPENDED
