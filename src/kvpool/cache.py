@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool import _debug
-from kvpool.errors import ArgumentError, LogicError
+from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
 from kvpool.layout import BAD_PAGE_INDEX, AttentionLifeCycle, KVLayout
 from kvpool.pages import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Page
 from kvpool.radix import Block, Match, RadixTree, Token, block_key, encode_tokens
@@ -451,10 +451,10 @@ class KVCache:
     def _snapshot(self, block: Block, g: int, live: Page) -> None:
         """Copy the live SSM state into a page of `block` (best effort: skipped when no slot)."""
         storage = self._ctx.storage
-        pool_group = self._ctx.layout.pool_group_of[g]
-        if storage.num_available(GPU_LEVEL, pool_group) == 0:
+        try:
+            (page,) = storage.new_pages(GPU_LEVEL, self._ctx.layout.pool_group_of[g], g, 1)
+        except OutOfPagesError:
             return
-        (page,) = storage.new_pages(GPU_LEVEL, pool_group, g, 1)
         storage.copy_pages([(live, page)])
         page.priority = self._priority(block.ordinal, g)
         self._ctx.tree.attach(block, page)

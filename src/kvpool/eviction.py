@@ -26,9 +26,9 @@ class EvictionQueue:
         return self._len
 
     def __iter__(self) -> Iterator[Page]:
-        """Pages in eviction order."""
-        for priority in list(self._priorities):
-            yield from list(self._lists[priority])
+        """Pages in eviction order (lazily: do not change the queue while iterating)."""
+        for priority in self._priorities:
+            yield from self._lists[priority]
 
     def push(self, page: Page, evict_first: bool = False) -> None:
         """Add `page` as the newest of its priority (or the oldest, with `evict_first`)."""

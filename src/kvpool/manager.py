@@ -191,7 +191,7 @@ class KVCacheManager:
         counts = slot_counts_from_ratio(
             quota, sizes, storage.ratio, storage.granularity, self._min_slots
         )
-        if not self._storage.resize_level(level, counts, quota):
+        if not self._storage.adjust_cache_level(level, counts, quota):
             return False
         self._after_call()
         return True

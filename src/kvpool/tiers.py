@@ -140,7 +140,9 @@ class StorageManager:
             free=len(victims), drops=below.drops + dropped, moves=[*below.moves, (level, moving)]
         )
 
-    def resize_level(self, level: int, counts: Sequence[int], quota: int | None = None) -> bool:
+    def adjust_cache_level(
+        self, level: int, counts: Sequence[int], quota: int | None = None
+    ) -> bool:
         """Give each pool group of `level` its new slot count (and the level a new quota):
         shrink first (freeing memory), then expand. False, with nothing changed, when a
         shrinking group's pages that must stay do not fit."""
@@ -163,21 +165,6 @@ class StorageManager:
         for pg, (new, was) in enumerate(zip(counts, old, strict=True)):
             if new > was:
                 storage.expand_pool_group(pg, new)
-        return True
-
-    def shrink_pool_group(self, level: int, pool_group: int, new_num_slots: int) -> bool:
-        """Shrink a pool group whose pages are not locked: pages in the removed slot range move
-        into free slots below it, after evicting (down a level, or dropping at the last level)
-        the least valuable pages if there are not enough. False, with nothing changed, when the
-        pages that must stay at this level do not fit."""
-        group = self.levels[level].pool_groups[pool_group]
-        if new_num_slots >= group.num_slots:
-            return True
-        plan = self._plan_shrink(level, pool_group, new_num_slots)
-        if plan is None:
-            return False
-        self._execute(plan)
-        self.finish_shrink(level, pool_group, new_num_slots)
         return True
 
     def finish_shrink(self, level: int, pool_group: int, new_num_slots: int) -> None:
@@ -243,10 +230,6 @@ class StorageManager:
         for page in victims[: len(victims) - room]:
             self._drop(page)
         self.migrate(victims[len(victims) - room :], level + 1)
-
-    def evict(self, level: int, pool_group: int, count: int) -> None:
-        """Evict the `count` least valuable evictable pages of a pool group from `level`."""
-        self.make_room(level, pool_group, self.num_free(level, pool_group) + count)
 
     def _drop(self, page: Page) -> None:
         if page.queued:
