@@ -98,6 +98,8 @@ class StorageManager:
         """Free up to `count` slots (at least `at_least`, default all) at `level` by cascading
         eviction; returns how many are free. `OutOfPagesError`, with nothing changed, when even
         `at_least` cannot be had."""
+        if self.num_free(level, pool_group) >= count:
+            return count
         at_least = count if at_least is None else at_least
         plan = self._plan(level, pool_group, count, at_least)
         if plan is None:
