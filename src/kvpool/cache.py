@@ -152,6 +152,11 @@ class KVCache:
         moved = False
         try:
             moved = storage.bring_to(ours, GPU_LEVEL, extra)
+            if moved:
+                self._make_private_copies()
+        except BaseException:
+            moved = False
+            raise
         finally:
             if not moved:
                 for page in ours:
@@ -161,11 +166,10 @@ class KVCache:
             return False
         self._status = KVCacheStatus.ACTIVE
         for g, table_pages in enumerate(self._pages):  # slot ids changed where pages moved
-            for index, held in enumerate(table_pages):
-                if held is not None:
-                    self._tables[g][index] = held.slot_id
+            for index, moved_page in enumerate(table_pages):
+                if moved_page is not None:
+                    self._tables[g][index] = moved_page.slot_id
         self._version += 1
-        self._make_private_copies()
         self._after_call()
         return True
 
@@ -212,23 +216,34 @@ class KVCache:
 
     def _make_private_copies(self) -> None:
         """First resume: copy a partially reused block and a reused SSM snapshot into private
-        pages (shared pages are never written), and give SSM layers their live state slot."""
+        pages (shared pages are never written), and give SSM layers their live state slot.
+        The caller holds the room for them; on a copy error nothing changes."""
         storage = self._ctx.storage
         snapshots = {g: page for g, block, page in self._deferred if block < 0}
-        for g, block, shared in self._deferred:
-            if block >= 0:
-                private = self._new_page(g)
-                storage.copy_pages([(shared, private)])
-                self._set_page(g, block, private)
-                storage.unlock(shared)
-        for g in self._ssm:
-            if self._pages[g][0] is None:
-                live = self._new_page(g)
-                snapshot = snapshots.get(g)
-                if snapshot is not None:
-                    storage.copy_pages([(snapshot, live)])
-                    storage.unhold(snapshot)
-                self._set_page(g, 0, live)
+        copies: list[tuple[int, int, Page, Page]] = []  # (group, block, shared, private)
+        try:
+            for g, block, shared in self._deferred:
+                if block >= 0:
+                    copies.append((g, block, shared, self._new_page(g)))
+            for g in self._ssm:
+                if self._pages[g][0] is None:
+                    live = self._new_page(g)
+                    copies.append((g, 0, snapshots.get(g, live), live))
+            storage.copy_pages(
+                [(shared, private) for _, _, shared, private in copies if shared is not private]
+            )
+        except BaseException:
+            for _, _, _, private in copies:
+                storage.unlock(private)
+            raise
+        for g, block, shared, private in copies:
+            self._pages[g][block] = private
+            if shared is private:
+                continue
+            if g in self._ssm:
+                storage.unhold(shared)  # the snapshot: held, not in our table
+            else:
+                storage.unlock(shared)  # the partial block: locked with our other pages
         self._deferred = []
 
     def suspend(self) -> None:
