@@ -62,19 +62,14 @@ class StorageManager:
         """Free slots plus evictable pages (an upper bound of what allocation can get)."""
         return self.num_free(level, pool_group) + self.num_evictable(level, pool_group)
 
-    def can_allocate(
-        self, level: int, counts: Sequence[int], extra_free: Sequence[int] | None = None
-    ) -> bool:
+    def can_allocate(self, level: int, counts: Sequence[int]) -> bool:
         """Whether `counts[pg]` new slots per pool group can be made free at `level` (by
-        cascading eviction), counting `extra_free[pg]` slots about to be freed."""
-        for pool_group, count in enumerate(counts):
-            extra = extra_free[pool_group] if extra_free else 0
-            if (
-                count > extra
-                and self._plan(level, pool_group, count - extra, count - extra) is None
-            ):
-                return False
-        return True
+        cascading eviction)."""
+        return all(
+            count <= self.num_free(level, pool_group)
+            or self._plan(level, pool_group, count, count) is not None
+            for pool_group, count in enumerate(counts)
+        )
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -242,7 +237,7 @@ class StorageManager:
         for orphan in orphans:
             self.settle(orphan)
 
-    def _free(self, page: Page, ready_event: object = None) -> None:
+    def _free(self, page: Page) -> None:
         assert page.slot is not None and page.locks == 0 and page.holds == 0, page
         if page.queued:
             self.queues[page.level][page.pool_group].remove(page)
