@@ -255,3 +255,30 @@ def test_ids(manager):
     assert m.num_open_kv_caches == 2
     a.close()
     assert m.create_kv_cache(id=7).id == 7
+
+
+def test_window_slides_in_a_full_pool_by_recycling_uncommitted_pages(manager):
+    tpb = 16
+    # Window 49: 4 blocks live at most, and a block leaves the window in the step a new one
+    # starts (history 64, 80, ...). 64 KiB slots: the 2 MiB pool holds 32.
+    m = manager(
+        layers=[record_layer(0, tpb, window=49, repeats=128)],
+        tokens_per_block=tpb,
+        tiers=[GpuCacheTierConfig(2 * MiB)],
+    )
+    assert m.get_storage_statistics(0)[0].total == 32
+    engine = CheckingEngine(m)
+    hog = m.create_kv_cache()
+    hog.resume()
+    assert hog.resize(28 * tpb)  # 28 slots locked, 4 left
+    cache = m.create_kv_cache()
+    cache.resume()
+    tokens = list(range(7, 7 + 400))
+    for position in range(400):  # never commits: stale pages are uncommitted
+        assert cache.resize(position + 1, position), position
+        engine.write(cache, tokens[position : position + 1], position)
+        engine.check(cache, tokens)
+    assert cache.num_committed_tokens == 0
+    assert sum(p is not None for p in cache.pages(0)) <= 4
+    cache.close()
+    hog.close()

@@ -324,20 +324,21 @@ class KVCache:
                 grants[g] = wanted
         # Pages owned only by this request: an uncommitted one gives its slot straight to a new
         # block of its layer group; a committed one becomes evictable, so it frees a slot too.
-        recycle: set[tuple[int, int]] = set()
+        recycle: dict[int, list[int]] = {}  # layer group -> blocks whose page moves to a new block
         freed_committed: list[list[Page]] = [[] for _ in range(layout.num_pool_groups)]
         for g, index in releases:
             page = self._pages[g][index]
             assert page is not None
             if page.locks + page.holds == 1:
                 if page.block is None:
-                    if sum(1 for r in recycle if r[0] == g) < len(grants.get(g, ())):
-                        recycle.add((g, index))
+                    chosen = recycle.setdefault(g, [])
+                    if len(chosen) < len(grants.get(g, ())):
+                        chosen.append(index)
                 else:
                     freed_committed[page.pool_group].append(page)
         fresh = [0] * layout.num_pool_groups  # slots to allocate per pool group
         for g, wanted in grants.items():
-            fresh[layout.pool_group_of[g]] += len(wanted) - sum(1 for r in recycle if r[0] == g)
+            fresh[layout.pool_group_of[g]] += len(wanted) - len(recycle.get(g, ()))
         # Make room before releasing anything, so that a refusal changes nothing; the pages
         # released below then cover the rest.
         first = [max(0, n - len(c)) for n, c in zip(fresh, freed_committed, strict=True)]
@@ -348,7 +349,7 @@ class KVCache:
                 storage.make_room(GPU_LEVEL, pool_group, count)
         recycled: dict[int, list[Page]] = {}
         for g, index in releases:
-            if (g, index) in recycle:
+            if index in recycle.get(g, ()):
                 page = self._pages[g][index]
                 assert page is not None
                 recycled.setdefault(g, []).append(page)  # keeps its slot and our lock
