@@ -257,7 +257,10 @@ def test_ids(manager):
     assert m.create_kv_cache(id=7).id == 7
 
 
-def test_window_slides_in_a_full_pool_by_recycling_uncommitted_pages(manager):
+@pytest.mark.parametrize("commits", [False, True], ids=["uncommitted", "committed"])
+def test_window_slides_in_a_full_pool(manager, commits):
+    """The page leaving the window pays for the one entering it: an uncommitted page gives its
+    slot directly, a committed one is evicted (it stays cached until then)."""
     tpb = 16
     # Window 49: 4 blocks live at most, and a block leaves the window in the step a new one
     # starts (history 64, 80, ...). 64 KiB slots: the 2 MiB pool holds 32.
@@ -274,11 +277,14 @@ def test_window_slides_in_a_full_pool_by_recycling_uncommitted_pages(manager):
     cache = m.create_kv_cache()
     cache.resume()
     tokens = list(range(7, 7 + 400))
-    for position in range(400):  # never commits: stale pages are uncommitted
-        assert cache.resize(position + 1, position), position
-        engine.write(cache, tokens[position : position + 1], position)
+    for position in range(400):
+        if commits:
+            assert engine.step(cache, tokens, tokens[position : position + 1]), position
+        else:
+            assert cache.resize(position + 1, position), position
+            engine.write(cache, tokens[position : position + 1], position)
         engine.check(cache, tokens)
-    assert cache.num_committed_tokens == 0
+    assert cache.num_committed_tokens == (400 if commits else 0)
     assert sum(p is not None for p in cache.pages(0)) <= 4
     cache.close()
     hog.close()
