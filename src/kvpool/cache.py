@@ -63,9 +63,14 @@ class KVCache:
         cache_id: int,
         scope_key: bytes,
         priority_callback: PriorityCallback | None,
+        exclude_from_stats: bool = False,
     ) -> None:
         self._ctx = context
         self.id = cache_id
+        self.exclude_from_stats = exclude_from_stats
+        """Warm-up or padding requests: their shapes never feed the rebalancing estimate."""
+        self.reused_length = 0  # tokens reused at creation
+        self._shape_sums = [0, 0, 0]  # capacity, history, number of resizes
         self._priority_callback = priority_callback
         self._status = KVCacheStatus.SUSPENDED
         layout = context.layout
@@ -120,6 +125,12 @@ class KVCache:
         return -(-self._capacity // self._tpb)
 
     @property
+    def mean_shape(self) -> tuple[float, float]:
+        """Mean capacity and history length over the calls to `resize` (0, 0 if none)."""
+        capacity, history, count = self._shape_sums
+        return (capacity / count, history / count) if count else (0.0, 0.0)
+
+    @property
     def is_committing(self) -> bool:
         """False after `stop_committing()`."""
         return self._committing
@@ -165,13 +176,17 @@ class KVCache:
         if not moved:
             return False
         self._status = KVCacheStatus.ACTIVE
-        for g, table_pages in enumerate(self._pages):  # slot ids changed where pages moved
-            for index, moved_page in enumerate(table_pages):
-                if moved_page is not None:
-                    self._tables[g][index] = moved_page.slot_id
-        self._version += 1
+        self.refresh_tables()
         self._after_call()
         return True
+
+    def refresh_tables(self) -> None:
+        """Rewrite the page tables from the pages (their slots change when pages move)."""
+        for g, pages in enumerate(self._pages):
+            table = self._tables[g]
+            for index, page in enumerate(pages):
+                table[index] = BAD_PAGE_INDEX if page is None else page.slot_id
+        self._version += 1
 
     def prefetch(self, level: int) -> bool:
         """Suspended requests only: move the request's pages that are colder than `level` up
@@ -298,6 +313,10 @@ class KVCache:
             raise LogicError(f"history_length cannot decrease (from {self._history} to {history})")
         if history > capacity:
             raise LogicError(f"history_length {history} cannot exceed capacity {capacity}")
+        sums = self._shape_sums
+        sums[0] += capacity
+        sums[1] += history
+        sums[2] += 1
         tpb = self._tpb
         old_blocks, new_blocks = self.num_blocks, -(-capacity // tpb)
         stale = [(g, lc.stale_range(history, tpb)) for g, lc in self._windowed]
@@ -527,7 +546,7 @@ class KVCache:
             self._parent = match.blocks[full_blocks - 1]
             self._prev_key = self._parent.key
         self._tail = list(tokens[full_blocks * tpb : length])
-        self._capacity = self._history = self._committed = length
+        self._capacity = self._history = self._committed = self.reused_length = length
         self._version += 1
 
     # -- page tables -----------------------------------------------------------------------------

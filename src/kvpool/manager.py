@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,9 +19,10 @@ from kvpool.config import (
     KVCacheManagerConfig,
     ReuseScope,
 )
-from kvpool.errors import ArgumentError, CorruptedError, LogicError
+from kvpool.errors import ArgumentError, CorruptedError, LogicError, OutOfPagesError
 from kvpool.layout import KVLayout
 from kvpool.radix import RadixTree, Token, root_key
+from kvpool.rebalance import DemandEstimator
 from kvpool.storage.pools import LevelStorage, slot_counts_from_ratio
 from kvpool.tiers import StorageManager
 
@@ -49,7 +51,10 @@ class StorageStatistics:
 class KVCacheManager:
     """Paged, tiered KV-cache memory for one model."""
 
-    def __init__(self, config: KVCacheManagerConfig) -> None:
+    def __init__(
+        self, config: KVCacheManagerConfig, *, clock: Callable[[], float] | None = None
+    ) -> None:
+        """`clock` (seconds, default `time.monotonic`) times the rebalancing cooldown."""
         config.validate()
         self._closed = False
         self._config = copy.deepcopy(config)
@@ -80,6 +85,8 @@ class KVCacheManager:
         self._storage = StorageManager(self._levels)
         self._tree = RadixTree(self.layout)
         self._storage.on_drop = self._tree.remove_page
+        self.rebalancer = DemandEstimator(self._config, self.layout, clock or time.monotonic)
+        self._constrained: dict[int, tuple[object, int, list[float]]] = {}
         self._living: dict[int, KVCache] = {}
         self._ids = itertools.count()
         self._context = CacheContext(
@@ -221,10 +228,12 @@ class KVCacheManager:
         input_tokens: Sequence[Token] | None = None,
         id: int | None = None,
         priority_callback: PriorityCallback | None = None,
+        exclude_from_stats: bool = False,
     ) -> KVCache:
         """A new request, SUSPENDED, already holding the longest reusable prefix of
         `input_tokens` (`num_committed_tokens == history_length == capacity ==` its length).
-        Leave out the prompt tokens that must be recomputed (at least the last one)."""
+        Leave out the prompt tokens that must be recomputed (at least the last one).
+        `exclude_from_stats` marks warm-up or padding requests: they never feed rebalancing."""
         self._require_open()
         scope_key = root_key(reuse_scope)
         if id is None:
@@ -245,7 +254,7 @@ class KVCacheManager:
             if tokens
             else None
         )
-        cache = KVCache(self._context, id, scope_key, priority_callback)
+        cache = KVCache(self._context, id, scope_key, priority_callback, bool(exclude_from_stats))
         if match is not None:
             cache.adopt_match(match, tokens)
         self._living[id] = cache
@@ -266,6 +275,88 @@ class KVCacheManager:
 
     def _forget(self, cache: KVCache) -> None:
         del self._living[cache.id]
+        capacity, history = cache.mean_shape
+        if not cache.exclude_from_stats and capacity > 0:
+            self.rebalancer.sample(capacity, history, cache.reused_length)
+
+    # -- rebalancing -----------------------------------------------------------------------------
+
+    @property
+    def need_adjustment(self) -> bool:
+        """True when enough requests were sampled, the cooldown passed and some level's split
+        between pool groups is off its target by more than the threshold. Cheap: read it
+        between engine steps, then call `adjust()`."""
+        if self._closed or not self.rebalancer.gates_open():
+            return False
+        return any(self._level_needs_adjustment(level) for level in range(len(self._levels)))
+
+    def _level_needs_adjustment(self, level: int) -> bool:
+        target = self._constrained_target(level)
+        return self.rebalancer.mismatch(target, self._levels[level].ratio)
+
+    def _constrained_target(self, level: int) -> list[float] | None:
+        """The level's target ratio as it can actually be met: slot counts with the floors
+        applied, back to bytes (cached until the target or the quota changes)."""
+        target = self.rebalancer.target(level)
+        if target is None:
+            return None
+        storage = self._levels[level]
+        cached = self._constrained.get(level)
+        if cached is not None and cached[0] is target and cached[1] == storage.quota:
+            return cached[2]
+        sizes = [group.slot_sizes for group in storage.pool_groups]
+        counts = slot_counts_from_ratio(
+            storage.quota, sizes, target, storage.granularity, self._min_slots
+        )
+        grains = [storage.grains_used(pg, n) for pg, n in enumerate(counts)]
+        result = [g / sum(grains) for g in grains]
+        self._constrained[level] = (target, storage.quota, result)
+        return result
+
+    def adjust(self) -> None:
+        """Move memory between pool groups of every level whose split is off target. Requests
+        may stay ACTIVE: their pages in a removed slot range move to other slots of the same
+        level and their page tables are updated (re-fetch `page_view`, which may move too).
+        Raises `OutOfPagesError`, with that level unchanged, if locked and held pages cannot
+        fit the new split."""
+        self._require_open()
+        try:
+            for level in range(len(self._levels)):
+                target = self._constrained_target(level)
+                if self.rebalancer.mismatch(target, self._levels[level].ratio):
+                    assert target is not None
+                    self.adjust_cache_level(level, target)
+        finally:
+            self.rebalancer.last_adjustment = self.rebalancer.clock()
+        self._after_call()
+
+    def adjust_cache_level(
+        self, level: int, ratio: Sequence[float], quota: int | None = None
+    ) -> None:
+        """Re-split one level (optionally with a new quota) by byte `ratio` per pool group:
+        shrink the groups that lose slots first, then expand the others."""
+        storage = self.level_storage(level)
+        if (
+            len(ratio) != len(storage.pool_groups)
+            or any(not r >= 0 for r in ratio)
+            or not sum(ratio) > 0
+        ):
+            raise ArgumentError(
+                f"ratio={list(ratio)!r} is invalid: must be {len(storage.pool_groups)} weights >= 0 with a positive sum"
+            )
+        quota = storage.quota if quota is None else quota
+        sizes = [group.slot_sizes for group in storage.pool_groups]
+        counts = slot_counts_from_ratio(
+            quota, sizes, ratio, storage.granularity, self._min_slots, "quota"
+        )
+        if not self._storage.adjust_cache_level(level, counts, quota):
+            raise OutOfPagesError(
+                f"level {level} cannot take slot counts {counts}: the locked and held pages of a "
+                "shrinking pool group do not fit; nothing was changed"
+            )
+        for cache in self._living.values():
+            if cache.status is KVCacheStatus.ACTIVE:
+                cache.refresh_tables()
 
     def get_storage_statistics(self, level: int) -> list[StorageStatistics]:
         """Per pool group at `level`: slot sizes, total, free, evictable, available, unavailable."""

@@ -45,6 +45,7 @@ class StorageManager:
         self.num_dropped = 0
         self.num_moved = [0] * len(self.levels)  # pages that arrived at each level
         self.num_swapped = 0  # pages brought up by staging them through RAM
+        self.num_relocated = 0  # pages moved inside their level by a shrink
 
     @property
     def last_level(self) -> int:
@@ -171,12 +172,15 @@ class StorageManager:
         blocking = [self.pages[level][pool_group][i] for i in allocator.get_slots_blocking_shrink()]
         if blocking:
             self._migrate_batch(blocking, level, level, pool_group)
+            self.num_relocated += len(blocking)
         self.levels[level].shrink_pool_group(pool_group, new_num_slots)
 
     def _plan_shrink(self, level: int, pool_group: int, new_num_slots: int) -> _Plan | None:
         """Schedule the allocator's shrink and plan the evictions it needs (or cancel, None)."""
         allocator = self.levels[level].pool_groups[pool_group].allocator
         allocator.prepare_for_shrink(new_num_slots)
+        if allocator.num_active_slots <= new_num_slots:
+            return _Plan(free=0)  # fast path: no id in the removed range was ever issued
         free_below = allocator.num_free_slots  # ids under the new size only, now
         blocking = set(allocator.get_slots_blocking_shrink())
         victims: list[Page] = []
@@ -292,7 +296,8 @@ class StorageManager:
             page.slot, page.level = slot, level
             target_pages[slot.slot_id] = page
             self.settle(page)
-        self.num_moved[level] += len(batch)
+        if source_level != level:
+            self.num_moved[level] += len(batch)
 
     def bring_to(self, pages: Sequence[Page], level: int, extra: Sequence[int]) -> bool:
         """Move `pages` (locked by the caller, so never chosen for eviction) to `level` and
