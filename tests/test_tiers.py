@@ -105,7 +105,9 @@ def test_last_level_drops_and_held_pages_are_never_dropped(make, tmp_path):
         fill(m, engine, 100_000 * (i + 1), 20)
     assert m.num_dropped_pages > 0
     assert {p.level for p in held.pages(0)} == {1}  # pushed to host, kept
+    assert {p.status for p in held.pages(0)} == {PageStatus.HELD}
     assert held.resume()
+    assert {p.status for p in held.pages(0)} == {PageStatus.LOCKED}
     engine.check(held, held_tokens)
     held.close()
 

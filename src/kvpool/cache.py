@@ -130,11 +130,6 @@ class KVCache:
         capacity, history, count = self._shape_sums
         return (capacity / count, history / count) if count else (0.0, 0.0)
 
-    @property
-    def is_committing(self) -> bool:
-        """False after `stop_committing()`."""
-        return self._committing
-
     def resume(self) -> bool:
         """Bring every page the request needs to the GPU level and lock it there. Returns False
         (still suspended, nothing moved) when a GPU pool group is fuller than

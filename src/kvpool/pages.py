@@ -59,10 +59,6 @@ class Page:
         return self.slot.slot_id
 
     @property
-    def committed(self) -> bool:
-        return self.block is not None
-
-    @property
     def status(self) -> PageStatus:
         if self.locks:
             return PageStatus.LOCKED
