@@ -16,6 +16,7 @@ from kvpool import (
     LogicError,
     StorageError,
 )
+from kvpool.pages import PageStatus
 from tests.engine_check import CheckingEngine
 from tests.helpers import MiB, hybrid_layers, make_config, record_layer
 
