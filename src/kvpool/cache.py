@@ -26,7 +26,7 @@ from kvpool import _debug
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
 from kvpool.layout import BAD_PAGE_INDEX, AttentionLifeCycle, KVLayout
 from kvpool.pages import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Page
-from kvpool.radix import Block, Match, RadixTree, Token, block_key, encode_tokens
+from kvpool.radix import Block, Match, RadixTree, Token, block_key_of_encoded, encode_tokens
 
 if TYPE_CHECKING:
     from kvpool.tiers import StorageManager
@@ -80,6 +80,7 @@ class KVCache:
         self._prev_key = scope_key  # key of the last committed full block
         self._parent: Block | None = context.tree.root(scope_key)  # where the next block goes
         self._tail: list[Token] = []  # committed tokens of the unfinished block
+        self._tail_bytes: bytearray | None = bytearray()  # their encoding, while all are ints
         self._attention = [
             (g, lc) for g, lc in enumerate(layout.life_cycles) if isinstance(lc, AttentionLifeCycle)
         ]
@@ -410,15 +411,27 @@ class KVCache:
                 f"cannot commit {len(tokens)} tokens: {self._committed} are committed and the "
                 f"capacity is {self._capacity}"
             )
-        encode_tokens(tokens)  # validate before changing anything
+        encoded = encode_tokens(tokens)  # validates before anything changes
         tail, tpb = self._tail, self._tpb
         tail.extend(tokens)
+        # Keep the tail's bytes while every token is an int (4 bytes): no re-encoding per block.
+        if self._tail_bytes is not None and len(encoded) == 4 * len(tokens):
+            self._tail_bytes += encoded
+        else:
+            self._tail_bytes = None
         self._committed += len(tokens)
         while len(tail) >= tpb:
             block_tokens = tuple(tail[:tpb])
             del tail[:tpb]
+            if self._tail_bytes is not None:
+                block_bytes = bytes(self._tail_bytes[: 4 * tpb])
+                del self._tail_bytes[: 4 * tpb]
+            else:
+                block_bytes = encode_tokens(block_tokens)
             index = (self._committed - len(tail)) // tpb - 1
-            self._commit_block(index, block_tokens, snapshot=not tail)
+            self._commit_block(index, block_tokens, block_bytes, snapshot=not tail)
+        if not tail:
+            self._tail_bytes = bytearray()
         self._history = max(self._history, self._committed)
         self._after_call()
 
@@ -428,13 +441,18 @@ class KVCache:
         if not self._committing:
             return
         if self._tail:
-            self._commit_block(self._committed // self._tpb, tuple(self._tail), snapshot=True)
+            tokens = tuple(self._tail)
+            self._commit_block(
+                self._committed // self._tpb, tokens, encode_tokens(tokens), snapshot=True
+            )
         self._committing = False
         self._after_call()
 
-    def _commit_block(self, index: int, tokens: tuple[Token, ...], snapshot: bool) -> None:
+    def _commit_block(
+        self, index: int, tokens: tuple[Token, ...], encoded: bytes, snapshot: bool
+    ) -> None:
         """Insert block `index` (full, or the partial tail) under the previous committed block."""
-        key = block_key(self._prev_key, tokens)
+        key = block_key_of_encoded(self._prev_key, encoded)
         full = len(tokens) == self._tpb
         if full:
             self._prev_key = key
@@ -541,6 +559,8 @@ class KVCache:
             self._parent = match.blocks[full_blocks - 1]
             self._prev_key = self._parent.key
         self._tail = list(tokens[full_blocks * tpb : length])
+        encoded = encode_tokens(self._tail)
+        self._tail_bytes = bytearray(encoded) if len(encoded) == 4 * len(self._tail) else None
         self._capacity = self._history = self._committed = self.reused_length = length
         self._version += 1
 

@@ -436,6 +436,13 @@ class KVCacheManager:
                 if index < 0:
                     pages[id(page)] = page
                     holds[id(page)] = holds.get(id(page), 0) + 1
+        tpb = self.layout.tokens_per_block
+        for block in [*tree.roots.values(), *tree.blocks()]:
+            partial = sum(1 for child in block.children.values() if child.num_tokens < tpb)
+            if partial != block.num_partial_children:
+                problems.append(
+                    f"{block}: counts {block.num_partial_children} partial children, has {partial}"
+                )
         for block in tree.blocks():
             if (
                 not block.in_tree

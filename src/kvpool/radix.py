@@ -11,6 +11,7 @@ removes what became unreachable and returns the pages that lost their block.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Iterator, Sequence
@@ -70,10 +71,16 @@ def encode_tokens(tokens: Sequence[Token]) -> bytes:
         data = struct.pack(f"<{len(tokens)}i", *tokens)
     except (struct.error, TypeError):
         return b"".join(_encode_token(token) for token in tokens)
-    if data and max(data[3::4]) >= 0x80:  # a negative int: find it for the message
+    if int.from_bytes(data, "little") & _sign_mask(len(tokens)):  # a negative int
         for token in tokens:
             _encode_token(token)
     return data
+
+
+@functools.cache
+def _sign_mask(count: int) -> int:
+    """The sign bit of each of `count` 4-byte little-endian ints, as one integer."""
+    return int.from_bytes(b"\x00\x00\x00\x80" * count, "little")
 
 
 def _encode_token(token: object) -> bytes:
@@ -91,13 +98,27 @@ def block_key(previous_key: bytes, tokens: Sequence[Token]) -> bytes:
     return hashlib.sha256(previous_key + encode_tokens(tokens)).digest()
 
 
+def block_key_of_encoded(previous_key: bytes, encoded: bytes) -> bytes:
+    """`block_key` for tokens already validated and encoded by `encode_tokens`."""
+    return hashlib.sha256(previous_key + encoded).digest()
+
+
 class Block:
     """One committed block: full (`tokens_per_block` tokens) or a partial tail (fewer, a leaf).
 
     `pages[g]` is the block's page for layer group `g`, or None (never stored, or dropped).
     """
 
-    __slots__ = ("children", "in_tree", "key", "ordinal", "pages", "parent", "tokens")
+    __slots__ = (
+        "children",
+        "in_tree",
+        "key",
+        "num_partial_children",
+        "ordinal",
+        "pages",
+        "parent",
+        "tokens",
+    )
 
     def __init__(
         self, key: bytes, parent: Block | None, tokens: tuple[Token, ...], num_layer_groups: int
@@ -107,6 +128,7 @@ class Block:
         self.tokens = tokens
         self.ordinal: int = -1 if parent is None else parent.ordinal + 1
         self.children: dict[bytes, Block] = {}
+        self.num_partial_children = 0  # children with fewer tokens than a block
         self.pages: list[Page | None] = [None] * num_layer_groups
         self.in_tree = True
 
@@ -216,23 +238,20 @@ class RadixTree:
         existing = parent.children.get(key)
         if existing is not None:
             return existing, []
-        tpb = self.layout.tokens_per_block
-        scan = len(parent.children) <= MAX_CHILDREN_SCANNED
-        if len(tokens) < tpb and scan:
+        partial = len(tokens) < self.layout.tokens_per_block
+        if partial and len(parent.children) <= MAX_CHILDREN_SCANNED:
             for child in parent.children.values():
                 if child.tokens[: len(tokens)] == tokens:
                     return None, []
+        orphans: list[Page] = []
+        if parent.num_partial_children:
+            for child in list(parent.children.values()):
+                if child.num_tokens < len(tokens) and tokens[: child.num_tokens] == child.tokens:
+                    self._remove_subtree(child, orphans)
         block = Block(key, parent, tokens, self.layout.num_layer_groups)
         parent.children[key] = block
-        orphans: list[Page] = []
-        if scan:
-            for child in list(parent.children.values()):
-                if (
-                    child is not block
-                    and child.num_tokens < len(tokens)
-                    and tokens[: child.num_tokens] == child.tokens
-                ):
-                    self._remove_subtree(child, orphans)
+        if partial:
+            parent.num_partial_children += 1
         return block, orphans
 
     @staticmethod
@@ -282,9 +301,8 @@ class RadixTree:
 
     def _remove_subtree(self, top: Block, orphans: list[Page]) -> None:
         """Unlink `top` and everything below it (iteratively, leaf first)."""
-        parent = top.parent
-        if parent is not None:
-            del parent.children[top.key]
+        if top.parent is not None:
+            self._unlink(top)
         elif self.roots.get(top.key) is top:
             del self.roots[top.key]
         stack = [top]
@@ -299,6 +317,13 @@ class RadixTree:
                     block.pages[group] = None
                     orphans.append(page)
 
+    def _unlink(self, block: Block) -> None:
+        parent = block.parent
+        assert parent is not None
+        del parent.children[block.key]
+        if block.num_tokens < self.layout.tokens_per_block:
+            parent.num_partial_children -= 1
+
     def _prune_upwards(self, block: Block) -> None:
         """Remove childless blocks that hold no page in any layer group, up to the root."""
         while not block.children and all(page is None for page in block.pages):
@@ -308,7 +333,7 @@ class RadixTree:
                     del self.roots[block.key]
                 block.in_tree = False
                 return
-            del parent.children[block.key]
+            self._unlink(block)
             block.in_tree = False
             block = parent
 

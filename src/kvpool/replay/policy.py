@@ -1,0 +1,37 @@
+"""Eviction policies for replays, expressed through the manager's public priority hooks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.cache import KVCache
+from kvpool.errors import ArgumentError
+from kvpool.manager import KVCacheManager
+from kvpool.pages import DEFAULT_PRIORITY
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """How replayed requests prioritize their blocks for eviction."""
+
+    name: str
+
+    def priority(self, ordinal: int, layer_group: int) -> int:
+        return DEFAULT_PRIORITY
+
+    def on_reuse(self, manager: KVCacheManager, cache: KVCache) -> None:
+        """Called when a request was created with a reused prefix."""
+
+
+POLICIES = {"lru": EvictionPolicy("lru")}
+
+
+def policy_for(policy: str | EvictionPolicy) -> EvictionPolicy:
+    if isinstance(policy, EvictionPolicy):
+        return policy
+    try:
+        return POLICIES[policy]
+    except KeyError:
+        raise ArgumentError(
+            f"policy={policy!r} is invalid: must be one of {sorted(POLICIES)}"
+        ) from None

@@ -1,0 +1,91 @@
+"""Prefix-cache hit rate of a block trace at a fixed cache size, through the real manager.
+
+The semantics of the independent `kvcache-simulator` (its numbers are in
+../shared/traces/reference_hitrates_kvcache_simulator.json): one tier of exactly N blocks of 512
+tokens, requests replayed one at a time in file order, the first half warms the cache up, and a
+measured request's hit is its longest cached prefix (a partial last block counts its real
+tokens). Each request is created (reusing its cached prefix), given pages for the rest, committed
+and closed, so its blocks stay cached until eviction pushes them out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.config import (
+    AttentionLayerConfig,
+    BufferConfig,
+    GpuCacheTierConfig,
+    KVCacheManagerConfig,
+)
+from kvpool.errors import ArgumentError
+from kvpool.manager import KVCacheManager
+from kvpool.replay.policy import EvictionPolicy, policy_for
+from kvpool.replay.workloads import MOONCAKE_BLOCK, Request
+from kvpool.storage.pools import gpu_granularity
+
+
+@dataclass
+class PrefixCacheResult:
+    capacity_blocks: int
+    policy: str
+    measured_tokens: int
+    hit_tokens: int
+    requests: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.measured_tokens if self.measured_tokens else 0.0
+
+
+def exact_block_config(
+    capacity_blocks: int, tokens_per_block: int = MOONCAKE_BLOCK
+) -> KVCacheManagerConfig:
+    """A one-layer layout and a GPU quota that give exactly `capacity_blocks` slots: the slot
+    size is chosen so that the blocks fill whole allocation grains."""
+    if capacity_blocks < 1:
+        raise ArgumentError(f"capacity_blocks={capacity_blocks} is invalid: must be >= 1")
+    granularity = 2 << 20
+    while True:
+        slot = granularity // math.gcd(granularity, capacity_blocks)
+        quota = slot * capacity_blocks
+        if gpu_granularity(quota) == granularity:
+            break
+        granularity = gpu_granularity(quota)
+    layer = AttentionLayerConfig(0, [BufferConfig("kv", slot)])
+    return KVCacheManagerConfig(
+        tokens_per_block, [GpuCacheTierConfig(quota)], [layer], max_util_for_resume=1.0
+    )
+
+
+def prefix_cache_hit_rate(
+    requests: Sequence[Request],
+    capacity_blocks: int,
+    policy: str | EvictionPolicy = "lru",
+    warmup_fraction: float = 0.5,
+) -> PrefixCacheResult:
+    """Replay `requests` through a manager of exactly `capacity_blocks` 512-token blocks."""
+    chosen = policy_for(policy)
+    manager = KVCacheManager(exact_block_config(capacity_blocks))
+    assert manager.get_slot_counts(0) == [capacity_blocks]
+    warmup = int(len(requests) * warmup_fraction)
+    measured = hits = 0
+    try:
+        for index, request in enumerate(requests):
+            prompt = request.tokens()
+            cache = manager.create_kv_cache(None, prompt, priority_callback=chosen.priority)
+            reused = cache.num_committed_tokens
+            chosen.on_reuse(manager, cache)
+            if index >= warmup:
+                measured += len(prompt)
+                hits += reused
+            if cache.resume() and cache.resize(len(prompt)):
+                cache.commit(prompt[reused:])
+            cache.close()
+        manager.clear_reusable_blocks()
+    finally:
+        manager.shutdown()
+    name = policy if isinstance(policy, str) else chosen.name
+    return PrefixCacheResult(capacity_blocks, name, measured, hits, len(requests) - warmup)
