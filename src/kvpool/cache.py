@@ -387,8 +387,9 @@ class KVCache:
                 )
         for g, wanted in grants.items():
             reuse = recycled.get(g, [])
-            for index in wanted:
-                self._set_page(g, index, reuse.pop() if reuse else self._new_page(g))
+            reuse += self._new_pages(g, len(wanted) - len(reuse))
+            for index, page in zip(wanted, reuse, strict=True):
+                self._set_page(g, index, page)
         for g, (_, end) in stale:
             self._released_end[g] = max(self._released_end[g], end)
         self._capacity, self._history = capacity, history
@@ -605,10 +606,18 @@ class KVCache:
     # -- helpers ---------------------------------------------------------------------------------
 
     def _new_page(self, g: int) -> Page:
-        storage = self._ctx.storage
-        (page,) = storage.new_pages(GPU_LEVEL, self._ctx.layout.pool_group_of[g], g, 1)
-        storage.lock(page)
+        (page,) = self._new_pages(g, 1)
         return page
+
+    def _new_pages(self, g: int, count: int) -> list[Page]:
+        """`count` new pages of layer group `g` on the GPU, locked by this request."""
+        if count <= 0:
+            return []
+        storage = self._ctx.storage
+        pages = storage.new_pages(GPU_LEVEL, self._ctx.layout.pool_group_of[g], g, count)
+        for page in pages:
+            storage.lock(page)
+        return pages
 
     def _set_page(self, g: int, index: int, page: Page) -> None:
         """Put a page this request already owns into its table."""
