@@ -44,6 +44,7 @@ class StorageManager:
         self.on_drop: Callable[[Page], list[Page]] = lambda page: []
         self.num_dropped = 0
         self.num_moved = [0] * len(self.levels)  # pages that arrived at each level
+        self.bytes_moved = [0] * len(self.levels)
         self.num_swapped = 0  # pages brought up by staging them through RAM
         self.num_relocated = 0  # pages moved inside their level by a shrink
 
@@ -298,6 +299,7 @@ class StorageManager:
             self.settle(page)
         if source_level != level:
             self.num_moved[level] += len(batch)
+            self.bytes_moved[level] += len(batch) * sum(source_group.slot_sizes)
 
     def bring_to(self, pages: Sequence[Page], level: int, extra: Sequence[int]) -> bool:
         """Move `pages` (locked by the caller, so never chosen for eviction) to `level` and

@@ -23,7 +23,7 @@ class EvictionPolicy:
         """Called when a request was created with a reused prefix."""
 
 
-POLICIES = {"lru": EvictionPolicy("lru")}
+POLICIES = {"lru": EvictionPolicy("lru"), "default": EvictionPolicy("default")}
 
 
 def policy_for(policy: str | EvictionPolicy) -> EvictionPolicy:

@@ -1,0 +1,1 @@
+"""`kvpool replay`: workloads, the replay driver, reports."""
