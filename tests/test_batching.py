@@ -14,6 +14,7 @@ class Request:
     def __init__(self, rid, tokens, prompt_length):
         self.rid, self.tokens, self.prompt_length = rid, tokens, prompt_length
         self.cache = None
+        self.admitted = 0
 
 
 def make_requests(rng, count):
@@ -47,13 +48,15 @@ def test_continuous_batching_under_pressure():
         step += 1
         assert step < 20_000, "scheduler made no progress"
         progressed = False
-        # Resume suspended requests first (oldest first), then admit arrivals.
+        # Resume suspended requests first (oldest first); admit arrivals only when none was
+        # waiting to resume, so new work never starves preempted work.
+        may_admit = not suspended
         for request in list(suspended):
             if request.cache.resume():
                 suspended.remove(request)
                 running.append(request)
                 counters["resumed"] += 1
-        while not suspended and waiting and arrivals[0] <= step and len(running) < 8:
+        while may_admit and waiting and arrivals[0] <= step and len(running) < 8:
             request = waiting[0]
             # Always recompute at least the last prompt token.
             cache = m.create_kv_cache(None, request.tokens[: request.prompt_length - 1])
@@ -63,6 +66,7 @@ def test_continuous_batching_under_pressure():
             waiting.pop(0)
             arrivals.pop(0)
             request.cache = cache
+            request.admitted = step
             counters["reused"] += cache.num_committed_tokens
             running.append(request)
             engine.check(cache, request.tokens)
@@ -88,9 +92,11 @@ def test_continuous_batching_under_pressure():
                 suspended.append(request)
                 counters["suspended"] += 1
         if not progressed and suspended and not running:
-            # No request could take a step: preempt the newest suspended request by recompute
-            # (close it, queue it again: its committed blocks stay cached and are reused).
-            victim = suspended.pop()
+            # No request could take a step: preempt the most recently admitted suspended request
+            # by recompute (close it, queue it again: its committed blocks stay cached and are
+            # reused), so the oldest ones always get to finish.
+            victim = max(suspended, key=lambda r: r.admitted)
+            suspended.remove(victim)
             victim.cache.close()
             victim.cache = None
             waiting.insert(0, victim)

@@ -144,10 +144,15 @@ def test_shrink_evicts_the_least_valuable_when_compaction_is_not_enough():
     for prompt in prompts:  # 120 cached pages, oldest first
         run_sequence(m, engine, prompt, decode=0)
     m.adjust_cache_level(0, [1.0], quota=4 * MiB)  # 64 slots: 56 pages must go
-    # Least valuable first: dropping the first block of the oldest prompt makes its other 29
-    # unreachable; then the second-oldest goes the same way. The two newest stay, compacted.
-    assert m.num_dropped_pages == 2
-    assert [m.probe_reuse(None, p) for p in prompts] == [0, 0, len(prompts[2]), len(prompts[3])]
+    # Least valuable first: the oldest prompt's blocks from its last one back, then the 26
+    # deepest of the second-oldest (its first 4 blocks stay). The two newest stay, compacted.
+    assert m.num_dropped_pages == 56
+    assert [m.probe_reuse(None, p) for p in prompts] == [
+        0,
+        4 * 16,
+        len(prompts[2]),
+        len(prompts[3]),
+    ]
     assert run_sequence(m, engine, prompts[3] + [5], decode=0) == len(prompts[3])
     m.shutdown()
 

@@ -284,8 +284,11 @@ class KVCache:
             if index < 0:
                 storage.unhold(snapshot)
         self._deferred = []
+        # Last block first: parents become evictable after their children, so eviction trims
+        # a cached chain from its end and shorter prefixes stay reusable.
         for g, pages in enumerate(self._pages):
-            for index, page in enumerate(pages):
+            for index in range(len(pages) - 1, -1, -1):
+                page = pages[index]
                 if page is not None:
                     pages[index] = None
                     self._release(page)

@@ -19,7 +19,7 @@ from kvpool.config import (
     KVCacheManagerConfig,
     ReuseScope,
 )
-from kvpool.errors import ArgumentError, CorruptedError, LogicError, OutOfPagesError
+from kvpool.errors import ArgumentError, ConfigError, CorruptedError, LogicError, OutOfPagesError
 from kvpool.layout import KVLayout
 from kvpool.radix import RadixTree, Token, root_key
 from kvpool.rebalance import DemandEstimator
@@ -334,7 +334,9 @@ class KVCacheManager:
         self, level: int, ratio: Sequence[float], quota: int | None = None
     ) -> None:
         """Re-split one level (optionally with a new quota) by byte `ratio` per pool group:
-        shrink the groups that lose slots first, then expand the others."""
+        shrink the groups that lose slots first, then expand the others. A group keeps at
+        least the slots of its pages that cannot leave the level (locked, or held at the last
+        level), so the split moves toward the target as far as running requests allow."""
         storage = self.level_storage(level)
         if (
             len(ratio) != len(storage.pool_groups)
@@ -346,13 +348,20 @@ class KVCacheManager:
             )
         quota = storage.quota if quota is None else quota
         sizes = [group.slot_sizes for group in storage.pool_groups]
-        counts = slot_counts_from_ratio(
-            quota, sizes, ratio, storage.granularity, self._min_slots, "quota"
-        )
+        staying = self._storage.pages_that_must_stay(level)
+        floors = [max(floor, stay) for floor, stay in zip(self._min_slots, staying, strict=True)]
+        try:
+            counts = slot_counts_from_ratio(
+                quota, sizes, ratio, storage.granularity, floors, "quota"
+            )
+        except ConfigError as error:
+            raise OutOfPagesError(
+                f"level {level}: the pages that must stay do not fit ({error}); nothing was changed"
+            ) from None
         if not self._storage.adjust_cache_level(level, counts, quota):
             raise OutOfPagesError(
-                f"level {level} cannot take slot counts {counts}: the locked and held pages of a "
-                "shrinking pool group do not fit; nothing was changed"
+                f"level {level} cannot take slot counts {counts}: the held pages of a shrinking "
+                "pool group find no room below; nothing was changed"
             )
         for cache in self._living.values():
             if cache.status is KVCacheStatus.ACTIVE:

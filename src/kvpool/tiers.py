@@ -166,6 +166,14 @@ class StorageManager:
                 storage.expand_pool_group(pg, new)
         return True
 
+    def pages_that_must_stay(self, level: int) -> list[int]:
+        """Per pool group: pages that cannot leave `level` (locked, or held at the last level)."""
+        last = level == self.last_level
+        return [
+            sum(1 for page in pages.values() if page.locks or (last and page.holds))
+            for pages in self.pages[level]
+        ]
+
     def finish_shrink(self, level: int, pool_group: int, new_num_slots: int) -> None:
         """After the planned evictions: move the pages left in the removed range into free
         slots below it (defragmenting copy), then shrink the allocator and the memory."""

@@ -146,8 +146,11 @@ class Replay:
                 tick = time.perf_counter()
                 if options.rebalance and manager.need_adjustment:
                     self._adjust()
+                # Admit new work only when nothing waited to resume: it must not starve
+                # preempted work.
+                may_admit = not suspended
                 progressed = self._resume(suspended, running)
-                if not suspended:
+                if may_admit:
                     progressed |= self._admit(waiting, running)
                 finished, stalled = self._decode(running)
                 progressed |= len(running) > len(finished) + len(stalled) or bool(finished)
@@ -164,7 +167,10 @@ class Replay:
                     running or finished
                 )
                 if not running and suspended and not progressed:
-                    victim = suspended.pop()  # recompute later; its blocks stay cached
+                    # Preempt the latest arrival (recompute it later; its blocks stay cached),
+                    # so the earliest requests always finish.
+                    victim = max(suspended, key=lambda entry: entry.index)
+                    suspended.remove(victim)
                     victim.cache.close()
                     waiting.insert(0, victim.index)
                     report.preemptions += 1
