@@ -158,9 +158,10 @@ def replay_command(args: argparse.Namespace) -> int:
     )
     config.validate()
     longest = max((request.input_length + request.output_length for request in workload), default=0)
-    _check_fits(config, longest)
+    _check_fits(config, longest, args.prefill_chunk)
     options = ReplayOptions(
         max_batch=args.max_batch,
+        prefill_chunk=args.prefill_chunk,
         step_seconds=args.step_ms / 1000.0,
         as_fast_as_possible=args.asap,
         policy=args.policy,
@@ -183,13 +184,16 @@ def replay_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_fits(config: KVCacheManagerConfig, tokens: int) -> None:
-    """Refuse a layout whose GPU level cannot hold even the workload's longest request."""
+def _check_fits(config: KVCacheManagerConfig, tokens: int, chunk: int) -> None:
+    """Refuse a layout whose GPU level cannot hold even the workload's longest request (its
+    last prefill chunk or decode step)."""
     manager = KVCacheManager(config)
     try:
         layout, storage = manager.layout, manager.level_storage(0)
         for pool_group, group in enumerate(layout.pool_groups):
-            need = sum(layout.blocks_needed(g, tokens, 0) for g in group.layer_groups)
+            need = sum(
+                layout.blocks_needed(g, tokens, max(0, tokens - chunk)) for g in group.layer_groups
+            )
             have = storage.pool_groups[pool_group].num_slots
             if need > have:
                 raise ArgumentError(
@@ -274,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay_parser.add_argument("--disk-path", default=tempfile.gettempdir())
     replay_parser.add_argument("--max-batch", type=int, default=64)
+    replay_parser.add_argument(
+        "--prefill-chunk", type=int, default=2048, help="prompt tokens per engine step"
+    )
     replay_parser.add_argument(
         "--step-ms", type=float, default=20.0, help="simulated time of one engine step"
     )

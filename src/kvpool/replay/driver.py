@@ -2,10 +2,10 @@
 manager through its public API and measuring what a deployment would see.
 
 Requests arrive by timestamp (simulated time advances by `step_seconds` per engine step, or
-jumps to the next arrival when idle), are admitted while memory allows (create with the prompt
-minus its last token, resume, one prefill step, commit), decode one token per step up to
-`max_batch` at a time, are suspended when the GPU runs out and resumed later, and close when
-done. Between steps the rebalancing hook runs (`need_adjustment` -> `adjust()`).
+jumps to the next arrival when idle), are admitted while memory allows (created with the prompt
+minus its last token, so the cached prefix is reused, then resumed), prefill the rest in chunks
+of `prefill_chunk` tokens per step, decode one token per step, up to `max_batch` at a time, are
+suspended when the GPU runs out and resumed later, and close when done. Between steps the rebalancing hook runs (`need_adjustment` -> `adjust()`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from kvpool.replay.workloads import Request
 @dataclass
 class ReplayOptions:
     max_batch: int = 64
+    prefill_chunk: int = 2048  # prompt tokens computed per engine step (chunked prefill)
     step_seconds: float = 0.02  # simulated time of one engine step
     as_fast_as_possible: bool = False  # ignore arrival times
     policy: str = "default"
@@ -125,6 +126,7 @@ class Replay:
         ]
         self.report.hit_tokens_by_level = [0] * manager.num_levels
         self._step_times: list[float] = []
+        self._counted: set[int] = set()
 
     def run(self) -> ReplayReport:
         options, manager, report = self.options, self.manager, self.report
@@ -149,9 +151,8 @@ class Replay:
                 # Admit new work only when nothing waited to resume: it must not starve
                 # preempted work.
                 may_admit = not suspended
-                progressed = self._resume(suspended, running)
-                if may_admit:
-                    progressed |= self._admit(waiting, running)
+                self._resume(suspended, running)
+                progressed = may_admit and self._admit(waiting, running)
                 finished, stalled = self._decode(running)
                 progressed |= len(running) > len(finished) + len(stalled) or bool(finished)
                 for entry in stalled:
@@ -222,15 +223,12 @@ class Replay:
                     Rebalance(self.report.steps, level, before[level], after)
                 )
 
-    def _resume(self, suspended: list[_Running], running: list[_Running]) -> bool:
-        resumed = False
+    def _resume(self, suspended: list[_Running], running: list[_Running]) -> None:
         for entry in list(suspended):
             if len(running) >= self.options.max_batch or not entry.cache.resume():
                 break
             suspended.remove(entry)
             running.append(entry)
-            resumed = True
-        return resumed
 
     def _admit(self, waiting: list[int], running: list[_Running]) -> bool:
         admitted = False
@@ -244,17 +242,20 @@ class Replay:
             )
             reused = cache.num_committed_tokens
             levels = self._levels_of_reused(cache, reused)
-            if not cache.resume() or not self._compute(cache, tokens, tokens[reused : len(prompt)]):
-                cache.close()
+            first_chunk = tokens[reused : min(len(prompt), reused + self.options.prefill_chunk)]
+            if not cache.resume() or not self._compute(cache, tokens, first_chunk):
+                cache.close()  # no room for it now: admission waits (back-pressure)
                 break
             waiting.pop(0)
             self.policy.on_reuse(self.manager, cache)
             report = self.report
-            report.requests += 1
-            report.prompt_tokens += len(prompt)
-            report.hit_tokens += reused
-            for level, count in levels.items():
-                report.hit_tokens_by_level[level] += count
+            if index not in self._counted:  # a preempted request is counted once
+                self._counted.add(index)
+                report.requests += 1
+                report.prompt_tokens += len(prompt)
+                report.hit_tokens += reused
+                for level, count in levels.items():
+                    report.hit_tokens_by_level[level] += count
             running.append(_Running(index, cache, tokens, len(prompt)))
             admitted = True
         return admitted
@@ -288,11 +289,17 @@ class Replay:
         return True
 
     def _decode(self, running: list[_Running]) -> tuple[list[_Running], list[_Running]]:
+        """One engine step of every running request: a prefill chunk, or one decoded token."""
         finished, stalled = [], []
+        chunk = self.options.prefill_chunk
         for entry in running:
             position = entry.cache.history_length
             if position >= entry.length:
                 finished.append(entry)
+            elif position < entry.prompt_length - 1:
+                end = min(position + chunk, entry.prompt_length)
+                if not self._compute(entry.cache, entry.tokens, entry.tokens[position:end]):
+                    stalled.append(entry)
             elif not self._compute(
                 entry.cache, entry.tokens, entry.tokens[position : position + 1]
             ):
