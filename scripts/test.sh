@@ -4,7 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python3 -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+# The reference engine's tests need torch (the CPU wheel: a pinned version this machine has on
+# disk; other versions download gigabytes) and transformers to compare against.
+python3 -m pip install --quiet --disable-pip-version-check torch==2.13.0
+python3 -m pip install --quiet --disable-pip-version-check -e '.[dev,engine]'
 python3 -m ruff check .
 python3 -m ruff format --check .
 python3 -m mypy

@@ -157,7 +157,7 @@ def _copy_cuda(
         return torch.from_numpy(array)
 
     src, dst = tensor_of(source), tensor_of(destination)
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call,unused-ignore]
     with torch.cuda.stream(stream):
         for run in runs(pairs):
             for s, d, n in contiguous(run, 1):

@@ -1,0 +1,117 @@
+"""Greedy generation in a continuous batch, with every KV byte in kvpool.
+
+Admits prompts while memory allows (reusing cached prefixes: only the unmatched suffix is
+computed, always at least the last prompt token), decodes one token per request per step,
+suspends requests when the GPU level is full and resumes them later (their pages may travel to
+host or disk and back), runs the rebalancing hook between steps, and closes finished requests so
+their blocks stay reusable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpool.cache import KVCache
+from kvpool.engine.model import PagedDecoder
+
+
+@dataclass
+class Generation:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated
+    logits: list[torch.Tensor] = field(default_factory=list)  # one row per generated token
+    cached_tokens: int = 0  # prompt tokens served from the cache
+    cache: KVCache | None = None
+
+
+class Generator:
+    def __init__(
+        self,
+        decoder: PagedDecoder,
+        max_batch: int = 8,
+        between_steps: Callable[[int], None] | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self.manager = decoder.manager
+        self.max_batch = max_batch
+        self.between_steps = between_steps  # a test hook, called with the step number
+        self.suspensions = 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]:
+        results = [Generation(list(prompt)) for prompt in prompts]
+        waiting = list(range(len(results)))
+        running: list[int] = []
+        suspended: list[int] = []
+        step = 0
+        while waiting or running or suspended:
+            step += 1
+            if step > 100_000:
+                raise RuntimeError("generation made no progress")
+            if self.between_steps is not None:
+                self.between_steps(step)
+            if self.manager.need_adjustment:
+                self.manager.adjust()
+            may_admit = not suspended
+            for index in list(suspended):
+                cache = results[index].cache
+                assert cache is not None
+                if len(running) >= self.max_batch or not cache.resume():
+                    break
+                if running and not self._room_to_grow():
+                    cache.suspend()  # it could not take a step: let the others finish first
+                    break
+                suspended.remove(index)
+                running.append(index)
+            progressed = False
+            while may_admit and waiting and len(running) < self.max_batch:
+                if not self._admit(results[waiting[0]]):
+                    break
+                running.append(waiting.pop(0))
+                progressed = True
+            for index in list(running):
+                result = results[index]
+                cache = result.cache
+                assert cache is not None
+                if len(result.tokens) >= max_new_tokens:
+                    cache.close()
+                    running.remove(index)
+                    progressed = True
+                    continue
+                if not cache.resize(cache.capacity + 1):
+                    cache.suspend()
+                    running.remove(index)
+                    suspended.append(index)
+                    self.suspensions += 1
+                    continue
+                fed = result.tokens[-1]  # computed now; its logits give the next token
+                self._emit(result, self.decoder.forward(cache, [fed]))
+                cache.commit([fed])
+                progressed = True
+            if not progressed and suspended and not running:
+                raise RuntimeError("the GPU level cannot hold a single request of this batch")
+        return results
+
+    def _room_to_grow(self) -> bool:
+        """Whether every GPU pool group can still give a running request a new block."""
+        return all(stats.available > 0 for stats in self.manager.get_storage_statistics(0))
+
+    def _admit(self, result: Generation) -> bool:
+        prompt = result.prompt
+        cache = self.manager.create_kv_cache(None, prompt[:-1])
+        reused = cache.num_committed_tokens
+        if not cache.resume() or not cache.resize(len(prompt)):
+            cache.close()
+            return False
+        result.cache, result.cached_tokens = cache, reused
+        self._emit(result, self.decoder.forward(cache, prompt[reused:]))
+        cache.commit(prompt[reused:])
+        return True
+
+    @staticmethod
+    def _emit(result: Generation, logits: torch.Tensor) -> None:
+        last = logits[-1]
+        result.logits.append(last)
+        result.tokens.append(int(torch.argmax(last)))
