@@ -94,8 +94,9 @@ def test_tiny_gpu_suspends_and_pages_travel_to_host_and_disk(tmp_path):
     config = tiny("llama")
     model = hf_model(config, seed=2)
     # A slot holds 8 tokens of both layers' K and V (2 KV heads x 16 dims x 4 bytes): 4 KiB, so
-    # the 2 MiB GPU level has 512 slots. Four prompts of 128 blocks fill it exactly; the first
-    # decode step that needs a new block suspends requests, whose pages move to host and disk.
+    # the 2 MiB GPU level has 512 slots. Four running prompts of 128 blocks fill it exactly; the
+    # first decode step that needs a new block suspends requests, whose pages move to the host;
+    # eight prompts in all push cached pages on to the disk.
     from kvpool import DiskCacheTierConfig
 
     decoder, manager = make_engine(
@@ -105,11 +106,13 @@ def test_tiny_gpu_suspends_and_pages_travel_to_host_and_disk(tmp_path):
         more_tiers=[HostCacheTierConfig(2 * MiB), DiskCacheTierConfig(4 * MiB, str(tmp_path))],
     )
     assert manager.get_storage_statistics(0)[0].total == 512
-    prompts = [[(i * 7 + j) % 90 + 1 for j in range(128 * 8 - 1)] for i in range(4)]
+    prompts = [[(i * 7 + j) % 90 + 1 for j in range(128 * 8 - 1)] for i in range(8)]
     generator = Generator(decoder, max_batch=4)
     results = generator.generate(prompts, 12)
     assert generator.suspensions > 0
-    assert manager._storage.num_moved[1] > 0
+    moved = manager._storage.num_moved
+    assert moved[1] > 0 and moved[2] > 0  # to the host and on to the disk
+    assert moved[0] > 0  # and back to the GPU
     check_against_hf(model, results, 12)
     manager.clear_reusable_blocks()
     manager.shutdown()
