@@ -24,7 +24,8 @@ import numpy.typing as npt
 
 from kvpool import _debug
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
-from kvpool.layout import BAD_PAGE_INDEX, AttentionLifeCycle, KVLayout
+from kvpool.layout import AttentionLifeCycle, KVLayout
+from kvpool.page_table import PageTable
 from kvpool.pages import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Page
 from kvpool.radix import Block, Match, RadixTree, Token, block_key_of_encoded, encode_tokens
 
@@ -88,20 +89,12 @@ class KVCache:
         self._ssm = [
             g for g, lc in enumerate(layout.life_cycles) if not isinstance(lc, AttentionLifeCycle)
         ]
-        # Per layer group: the page of each block (attention) or of the live state (SSM, one entry).
-        self._pages: list[list[Page | None]] = [
-            [None] if g in self._ssm else [] for g in range(len(layout.life_cycles))
-        ]
-        self._tables = [
-            np.full(1 if g in self._ssm else 16, BAD_PAGE_INDEX, dtype=np.int32)
-            for g in range(len(self._pages))
-        ]
+        self._table = PageTable(len(layout.life_cycles), set(self._ssm))
+        self._pages = self._table.pages  # per layer group: the page of each block (or SSM state)
         self._released_end = [0] * len(self._pages)  # stale blocks below this are released
         # Shared pages to copy into private ones on first resume: (layer group, block, page).
         # The block is -1 for an SSM state snapshot.
         self._deferred: list[tuple[int, int, Page]] = []
-        self._index_cache: dict[tuple[int, str], tuple[int, npt.NDArray[np.int32]]] = {}
-        self._version = 0
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -178,11 +171,7 @@ class KVCache:
 
     def refresh_tables(self) -> None:
         """Rewrite the page tables from the pages (their slots change when pages move)."""
-        for g, pages in enumerate(self._pages):
-            table = self._tables[g]
-            for index, page in enumerate(pages):
-                table[index] = BAD_PAGE_INDEX if page is None else page.slot_id
-        self._version += 1
+        self._table.refresh()
 
     def prefetch(self, level: int) -> bool:
         """Suspended requests only: move the request's pages that are colder than `level` up
@@ -290,9 +279,8 @@ class KVCache:
             for index in range(len(pages) - 1, -1, -1):
                 page = pages[index]
                 if page is not None:
-                    pages[index] = None
+                    self._table.clear(g, index)
                     self._release(page)
-            self._tables[g].fill(BAD_PAGE_INDEX)
         self._status = KVCacheStatus.CLOSED
         self._ctx.on_close(self)
         self._after_call()
@@ -371,18 +359,11 @@ class KVCache:
                 page = self._pages[g][index]
                 assert page is not None
                 recycled.setdefault(g, []).append(page)  # keeps its slot and our lock
-                self._pages[g][index] = None
-                self._tables[g][index] = BAD_PAGE_INDEX
+                self._table.clear(g, index)
             else:
                 self._clear_page(g, index)
         for g, _ in self._attention:
-            pages = self._pages[g]
-            if new_blocks < old_blocks:
-                del pages[new_blocks:]
-                self._tables[g][new_blocks:old_blocks] = BAD_PAGE_INDEX
-            else:
-                pages.extend([None] * (new_blocks - old_blocks))
-                self._ensure_table(g, new_blocks)
+            self._table.resize(g, new_blocks)
         for pool_group, count in enumerate(fresh):
             if count > storage.num_free(GPU_LEVEL, pool_group):
                 storage.make_room_evicting(
@@ -396,7 +377,6 @@ class KVCache:
         for g, (_, end) in stale:
             self._released_end[g] = max(self._released_end[g], end)
         self._capacity, self._history = capacity, history
-        self._version += 1
         self._after_call()
         return True
 
@@ -540,8 +520,7 @@ class KVCache:
         partial = length % tpb != 0
         for g, lc in self._attention:
             beg, end = lc.stale_range(length, tpb)
-            self._pages[g] = [None] * num_blocks
-            self._ensure_table(g, num_blocks)
+            self._table.resize(g, num_blocks)
             for index in range(num_blocks):
                 if beg <= index < end:
                     continue
@@ -550,8 +529,7 @@ class KVCache:
                 storage.hold(page)
                 if partial and index == num_blocks - 1:
                     self._deferred.append((g, index, page))
-                self._pages[g][index] = page
-                self._tables[g][index] = page.slot_id
+                self._table.set(g, index, page)
             self._released_end[g] = end
         for g in self._ssm:
             snapshot = match.blocks[num_blocks - 1].pages[g]
@@ -566,7 +544,6 @@ class KVCache:
         encoded = encode_tokens(self._tail)
         self._tail_bytes = bytearray(encoded) if len(encoded) == 4 * len(self._tail) else None
         self._capacity = self._history = self._committed = self.reused_length = length
-        self._version += 1
 
     # -- page tables -----------------------------------------------------------------------------
 
@@ -582,9 +559,7 @@ class KVCache:
             raise ArgumentError(
                 f"layer_group_id={layer_group_id!r} is invalid: must be in [0, {len(self._pages)})"
             )
-        view = self._tables[layer_group_id][: len(self._pages[layer_group_id])]
-        view.flags.writeable = False
-        return view
+        return self._table.base_indices(layer_group_id)
 
     def get_page_indices(self, layer_id: int, role: str) -> npt.NDArray[np.int32]:
         """Rows of `manager.page_view(layer_id, role)` for each block (-1 where none)."""
@@ -594,13 +569,7 @@ class KVCache:
             raise ArgumentError(
                 f"(layer_id, role)=({layer_id!r}, {role!r}) is invalid: must name a configured buffer"
             )
-        cached = self._index_cache.get((layer_id, role))
-        if cached is not None and cached[0] == self._version:
-            return cached[1]
-        indices = placement.page_indices(self.get_base_page_indices(placement.layer_group))
-        indices.flags.writeable = False
-        self._index_cache[layer_id, role] = (self._version, indices)
-        return indices
+        return self._table.page_indices(placement)
 
     def pages(self, layer_group_id: int) -> list[Page | None]:
         """The request's pages of one layer group (for introspection and tests)."""
@@ -624,17 +593,10 @@ class KVCache:
 
     def _set_page(self, g: int, index: int, page: Page) -> None:
         """Put a page this request already owns into its table."""
-        self._pages[g][index] = page
-        self._tables[g][index] = page.slot_id
-        self._version += 1
+        self._table.set(g, index, page)
 
     def _clear_page(self, g: int, index: int) -> None:
-        page = self._pages[g][index]
-        assert page is not None
-        self._pages[g][index] = None
-        self._tables[g][index] = BAD_PAGE_INDEX
-        self._release(page)
-        self._version += 1
+        self._release(self._table.clear(g, index))
 
     def _acquire(self, page: Page) -> None:
         if self._status is KVCacheStatus.ACTIVE:
@@ -647,13 +609,6 @@ class KVCache:
             self._ctx.storage.unlock(page)
         else:
             self._ctx.storage.unhold(page)
-
-    def _ensure_table(self, g: int, num_blocks: int) -> None:
-        table = self._tables[g]
-        if num_blocks > table.size:
-            grown = np.full(max(num_blocks, 2 * table.size), BAD_PAGE_INDEX, dtype=np.int32)
-            grown[: table.size] = table
-            self._tables[g] = grown
 
     def _require_open(self, operation: str) -> None:
         if self._status is KVCacheStatus.CLOSED:

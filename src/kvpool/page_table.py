@@ -1,0 +1,79 @@
+"""One request's page tables: its page per block and layer group, and the int32 slot-id arrays
+that attention kernels read (grown by doubling, updated in place, never rebuilt per step)."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from kvpool.layout import BAD_PAGE_INDEX, BufferPlacement
+from kvpool.pages import Page
+
+
+class PageTable:
+    """`pages[g][block]` and `tables[g][block]` (its slot id, -1 where none) per layer group;
+    an SSM layer group has one entry, the live state."""
+
+    def __init__(self, num_layer_groups: int, ssm_groups: set[int]) -> None:
+        self.pages: list[list[Page | None]] = [
+            [None] if g in ssm_groups else [] for g in range(num_layer_groups)
+        ]
+        self.tables = [
+            np.full(1 if g in ssm_groups else 16, BAD_PAGE_INDEX, dtype=np.int32)
+            for g in range(num_layer_groups)
+        ]
+        self.version = 0  # bumped on every change, to invalidate cached page indices
+        self._indices: dict[tuple[int, str], tuple[int, npt.NDArray[np.int32]]] = {}
+
+    def set(self, g: int, index: int, page: Page) -> None:
+        self.pages[g][index] = page
+        self.tables[g][index] = page.slot_id
+        self.version += 1
+
+    def clear(self, g: int, index: int) -> Page:
+        page = self.pages[g][index]
+        assert page is not None
+        self.pages[g][index] = None
+        self.tables[g][index] = BAD_PAGE_INDEX
+        self.version += 1
+        return page
+
+    def resize(self, g: int, num_blocks: int) -> None:
+        """Give an attention layer group `num_blocks` entries (new ones empty)."""
+        pages, old = self.pages[g], len(self.pages[g])
+        if num_blocks < old:
+            del pages[num_blocks:]
+            self.tables[g][num_blocks:old] = BAD_PAGE_INDEX
+        else:
+            pages.extend([None] * (num_blocks - old))
+            table = self.tables[g]
+            if num_blocks > table.size:
+                grown = np.full(max(num_blocks, 2 * table.size), BAD_PAGE_INDEX, dtype=np.int32)
+                grown[: table.size] = table
+                self.tables[g] = grown
+        self.version += 1
+
+    def refresh(self) -> None:
+        """Rewrite the slot ids from the pages (they change when pages move)."""
+        for g, pages in enumerate(self.pages):
+            table = self.tables[g]
+            for index, page in enumerate(pages):
+                table[index] = BAD_PAGE_INDEX if page is None else page.slot_id
+        self.version += 1
+
+    def base_indices(self, g: int) -> npt.NDArray[np.int32]:
+        """A read-only view of one layer group's slot ids."""
+        view = self.tables[g][: len(self.pages[g])]
+        view.flags.writeable = False
+        return view
+
+    def page_indices(self, placement: BufferPlacement) -> npt.NDArray[np.int32]:
+        """Rows of one buffer's page view per block (cached until the table changes)."""
+        key = (placement.layer_id, placement.role)
+        cached = self._indices.get(key)
+        if cached is not None and cached[0] == self.version:
+            return cached[1]
+        indices = placement.page_indices(self.base_indices(placement.layer_group))
+        indices.flags.writeable = False
+        self._indices[key] = (self.version, indices)
+        return indices
