@@ -7,6 +7,7 @@ num_kv_heads x head_dim x bytes per element.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kvpool.config import AttentionLayerConfig, BufferConfig, LayerConfig
 
@@ -72,3 +73,54 @@ PRESETS: dict[str, ModelPreset] = {
         ),
     )
 }
+
+
+@dataclass(frozen=True)
+class HfShape:
+    """The KV-relevant shape of a transformers model config."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    windows: tuple[int | None, ...]  # per layer
+
+    def layers(self, tokens_per_block: int, dtype_bytes: int) -> list[LayerConfig]:
+        """One K and one V buffer per layer, with the layer's window."""
+        size = self.num_kv_heads * self.head_dim * dtype_bytes * tokens_per_block
+        return [
+            AttentionLayerConfig(
+                i, [BufferConfig("k", size), BufferConfig("v", size)], sliding_window_size=window
+            )
+            for i, window in enumerate(self.windows)
+        ]
+
+
+def hf_shape(config: dict[str, Any]) -> HfShape:
+    """Layers, heads, KV heads, head dim and per-layer sliding windows of a transformers config
+    dict (Mistral `sliding_window`; Gemma `layer_types` or `sliding_window_pattern`; Qwen2
+    `use_sliding_window` / `max_window_layers`). KeyError/ValueError/TypeError if malformed."""
+    config = config.get("text_config", config)  # multimodal wrappers
+    num_layers = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return HfShape(num_layers, heads, kv_heads, head_dim, tuple(_windows(config, num_layers)))
+
+
+def _windows(config: dict[str, Any], num_layers: int) -> list[int | None]:
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or window <= 0:
+        return [None] * num_layers
+    types = config.get("layer_types")
+    if isinstance(types, list) and len(types) == num_layers:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    pattern = config.get("sliding_window_pattern")
+    if isinstance(pattern, int) and pattern > 0:  # every pattern-th layer is global
+        return [None if (i + 1) % pattern == 0 else window for i in range(num_layers)]
+    if config.get("use_sliding_window") is False:
+        return [None] * num_layers
+    first_windowed = config.get("max_window_layers") if config.get("use_sliding_window") else None
+    if isinstance(first_windowed, int):  # Qwen2: layers from max_window_layers on use the window
+        return [window if i >= first_windowed else None for i in range(num_layers)]
+    return [window] * num_layers

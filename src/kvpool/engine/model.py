@@ -14,14 +14,12 @@ import torch
 
 from kvpool.cache import KVCache
 from kvpool.config import (
-    AttentionLayerConfig,
-    BufferConfig,
     CacheTierConfig,
     GpuCacheTierConfig,
     KVCacheManagerConfig,
 )
 from kvpool.manager import KVCacheManager
-from kvpool.replay.models import _windows
+from kvpool.presets import hf_shape
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
@@ -37,18 +35,7 @@ def manager_config_from_hf(
     """A manager config for a transformers config: K and V buffers per layer (KV heads x head
     dim x dtype x tokens per block) with the model's sliding windows."""
     data = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
-    heads = int(data["num_attention_heads"])
-    kv_heads = int(data.get("num_key_value_heads") or heads)
-    head_dim = int(data.get("head_dim") or int(data["hidden_size"]) // heads)
-    layers = int(data["num_hidden_layers"])
-    size = kv_heads * head_dim * _DTYPE_BYTES[dtype] * tokens_per_block
-    windows = _windows(data, layers)
-    configs = [
-        AttentionLayerConfig(
-            i, [BufferConfig("k", size), BufferConfig("v", size)], sliding_window_size=windows[i]
-        )
-        for i in range(layers)
-    ]
+    configs = hf_shape(data).layers(tokens_per_block, _DTYPE_BYTES[dtype])
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_quota), *(more_tiers or [])]
     return KVCacheManagerConfig(tokens_per_block, tiers, configs, **options)
 
@@ -61,15 +48,14 @@ class PagedDecoder:
     ) -> None:
         data = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         self.manager = manager
-        self.num_layers = int(data["num_hidden_layers"])
-        self.heads = int(data["num_attention_heads"])
-        self.kv_heads = int(data.get("num_key_value_heads") or self.heads)
-        self.head_dim = int(data.get("head_dim") or int(data["hidden_size"]) // self.heads)
+        shape = hf_shape(data)
+        self.num_layers, self.heads = shape.num_layers, shape.num_heads
+        self.kv_heads, self.head_dim = shape.num_kv_heads, shape.head_dim
+        self.windows = list(shape.windows)
         self.eps = float(data.get("rms_norm_eps", 1e-6))
         theta = float(
             data.get("rope_theta") or (data.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         )
-        self.windows = _windows(data, self.num_layers)
         self.weights = {
             name: tensor.detach().to(torch.float32) for name, tensor in state_dict.items()
         }
