@@ -23,7 +23,7 @@ from kvpool.replay.driver import ReplayOptions, replay
 from kvpool.replay.models import hf_config_layers, preset_layers
 from kvpool.replay.policy import POLICIES
 from kvpool.replay.prefix import prefix_cache_hit_rate
-from kvpool.replay.report import print_report, write_json, write_plot
+from kvpool.replay.report import format_bytes, print_report, write_json, write_plot
 from kvpool.replay.workloads import (
     Request,
     load_azure,
@@ -41,13 +41,6 @@ def parse_bytes(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 4096, 512MiB, 8GiB)")
     return int(float(match.group(1)) * _UNITS[match.group(2)])
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def _ranges(ids: Sequence[int]) -> str:

@@ -9,11 +9,11 @@ from typing import Any
 from kvpool.replay.driver import ReplayReport
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def summary_rows(report: ReplayReport) -> list[tuple[str, str]]:
@@ -34,7 +34,7 @@ def summary_rows(report: ReplayReport) -> list[tuple[str, str]]:
         report.level_names, report.pages_moved_to_level, report.bytes_moved_to_level, strict=True
     ):
         if pages:
-            rows.append((f"  moved to {name}", f"{pages:,} pages, {_bytes(moved)}"))
+            rows.append((f"  moved to {name}", f"{pages:,} pages, {format_bytes(moved)}"))
     rows.append(("rebalances", f"{len(report.rebalances)}"))
     for event in report.rebalances:
         before = ", ".join(f"{r:.0%}" for r in event.before)
