@@ -49,3 +49,14 @@ def hybrid_layers(tokens_per_block, num_layers=8, window=128, sinks=16, repeats=
         )
         for i in range(num_layers)
     ]
+
+
+def close_open_caches(manager):
+    """Close every request still open (a test that failed midway leaves some)."""
+    for cache in list(manager._living.values()):
+        cache.close()
+
+
+def shutdown(manager):
+    close_open_caches(manager)
+    manager.shutdown()

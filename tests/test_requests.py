@@ -6,7 +6,7 @@ import pytest
 from kvpool import GpuCacheTierConfig, KVCacheManager, KVCacheStatus, LogicError
 from kvpool.errors import ArgumentError
 from tests.engine_check import CheckingEngine
-from tests.helpers import MiB, hybrid_layers, make_config, record_layer
+from tests.helpers import MiB, hybrid_layers, make_config, record_layer, shutdown
 
 
 @pytest.fixture
@@ -20,9 +20,7 @@ def manager():
 
     yield make
     for m in made:
-        for cache in list(m._living.values()):
-            cache.close()
-        m.shutdown()
+        shutdown(m)
 
 
 def test_one_request_512_tokens_with_window_and_sinks(manager):

@@ -4,7 +4,7 @@ import pytest
 
 from kvpool import GpuCacheTierConfig, KVCacheManager, ReuseScope
 from tests.engine_check import CheckingEngine
-from tests.helpers import MiB, hybrid_layers, make_config, record_layer
+from tests.helpers import MiB, hybrid_layers, make_config, record_layer, shutdown
 
 TPB = 16
 
@@ -27,9 +27,7 @@ def setup():
 
     yield make
     for m in managers:
-        for cache in list(m._living.values()):
-            cache.close()
-        m.shutdown()
+        shutdown(m)
 
 
 def run_request(m, engine, tokens, prompt_length, scope=None, reuse_expected=None):

@@ -4,7 +4,7 @@ import pytest
 
 from kvpool import BufferConfig, GpuCacheTierConfig, KVCacheManager, SsmLayerConfig
 from tests.engine_check import CheckingEngine
-from tests.helpers import MiB, make_config, record_layer
+from tests.helpers import MiB, make_config, record_layer, shutdown
 
 TPB = 16
 
@@ -20,9 +20,7 @@ def ssm_manager():
         make_config(layers=layers, tokens_per_block=TPB, tiers=[GpuCacheTierConfig(4 * MiB)])
     )
     yield m, CheckingEngine(m)
-    for cache in list(m._living.values()):
-        cache.close()
-    m.shutdown()
+    shutdown(m)
 
 
 def test_one_state_slot_per_request(ssm_manager):

@@ -18,7 +18,7 @@ from kvpool import (
 )
 from kvpool.pages import PageStatus
 from tests.engine_check import CheckingEngine
-from tests.helpers import MiB, hybrid_layers, make_config, record_layer
+from tests.helpers import MiB, close_open_caches, hybrid_layers, make_config, record_layer, shutdown
 
 TPB = 16
 # One pool group of 64 KiB slots (2 layers x K, V x 16 KiB): 32 slots per 2 MiB.
@@ -46,9 +46,7 @@ def make(tmp_path):
 
     yield build
     for m in managers:
-        for cache in list(m._living.values()):
-            cache.close()
-        m.shutdown()
+        shutdown(m)
 
 
 def levels_of(m, tokens):
@@ -312,8 +310,7 @@ def test_failed_disk_write_leaves_the_page_on_host_and_reusable(make, tmp_path, 
     with pytest.raises(StorageError, match="No space left on device"):
         fill(m, engine, 20_000, 32)  # host must push to disk: fails
     monkeypatch.undo()
-    for cache in list(m._living.values()):
-        cache.close()
+    close_open_caches(m)
     m.check_invariants()
     assert all(level in (0, 1) for level in levels_of(m, prompt))
     assert write_and_close(m, engine, prompt + [9]) == 4 * TPB  # verified
