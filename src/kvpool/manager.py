@@ -385,6 +385,11 @@ class KVCacheManager:
         """Committed pages evicted from the last level so far (their KV is gone)."""
         return self._storage.num_dropped
 
+    @property
+    def num_moved_pages(self) -> int:
+        """Pages moved between levels so far (eviction down, bringing back up, prefetch)."""
+        return self._storage.num_moved
+
     def clear_reusable_blocks(self) -> None:
         """Forget every cached block (refused while requests are open)."""
         self._require_open()

@@ -172,6 +172,11 @@ class SlotAllocator:
         if _debug.DEBUG:
             self.check_invariants()
 
+    def release_multiple(self, slots: list[Slot]) -> None:
+        """`release` each slot."""
+        for slot in slots:
+            self.release(slot)
+
     # -- resizing --------------------------------------------------------------------------------
 
     def prepare_for_shrink(self, new_capacity: int) -> None:

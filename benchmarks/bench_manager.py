@@ -1,0 +1,271 @@
+"""kvpool on the peers' workloads (../shared/bench/peers/workload.py), through the public API.
+
+(a) block churn: from a pool group of exactly 100,000 slots, allocate N slots then free them
+    (N = 10, 100, 1000; 1,000 cycles after 20 warm-up cycles), like the peers' BlockPool churn.
+(b) scheduler cycle: the peers' 2,000 seeded requests (16-token blocks, 70% share one of 20
+    1,024-token system prefixes, prompts 512-4,096 tokens, 128 output tokens), a continuous
+    batch of 64, a pool of exactly 32,768 blocks. Each step: every running request
+    `resize(capacity + 1)`; each admitted request `create_kv_cache(prompt[:-1])` (prefix lookup;
+    the last prompt token is always recomputed), `resume()`, `resize(len(prompt))` and
+    `commit(rest of the prompt)` (vLLM caches a prompt's blocks when it schedules them, so
+    requests admitted in the same step share them too); then every running request commits the
+    token it was given last step; a request that produced its 128 tokens is closed.
+    Hit tokens count full 16-token blocks only (`enable_partial_reuse=False`), as vLLM's do.
+    Layouts: `full` (one full-attention layer), `hybrid` (sliding-window layers + a full one,
+    two pool groups), `tiers` (`full` with a host level and a disk level under the GPU).
+
+Prints JSON: medians over `--runs`, per-run values under `runs`.
+Run: python benchmarks/bench_manager.py [--workloads a,b] [--layouts full,hybrid,tiers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.pop("KVPOOL_DEBUG", None)  # the invariant checker must be off when measuring
+
+from kvpool import (  # noqa: E402
+    AttentionLayerConfig,
+    BufferConfig,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
+    KVCacheManagerConfig,
+)
+from kvpool.replay.prefix import exact_block_config  # noqa: E402
+
+DEFAULT_PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "peers"
+WARMUP_CYCLES = 20
+LAYOUTS = ("full", "hybrid", "tiers")
+
+
+def load_workload_module(peers_dir: Path) -> Any:
+    """The peers' seeded generator, read from the shared folder (never copied into the repo)."""
+    if not (peers_dir / "workload.py").is_file():
+        raise SystemExit(f"--peers-dir {peers_dir} has no workload.py")
+    sys.path.insert(0, str(peers_dir))
+    import workload
+
+    return workload
+
+
+# -- (a) block churn ------------------------------------------------------------------------------
+
+
+def churn(pool_blocks: int, sizes: list[int], cycles: int) -> dict[str, dict[str, float]]:
+    out = {}
+    clock = time.perf_counter_ns
+    for n in sizes:
+        gc.collect()
+        manager = KVCacheManager(exact_block_config(pool_blocks, 16))
+        allocator = manager.level_storage(0).pool_groups[0].allocator
+        assert allocator.capacity == pool_blocks
+        for _ in range(WARMUP_CYCLES):
+            allocator.release_multiple(allocator.allocate_multiple(n))
+        alloc_ns = free_ns = 0
+        start = clock()
+        for _ in range(cycles):
+            t1 = clock()
+            slots = allocator.allocate_multiple(n)
+            t2 = clock()
+            allocator.release_multiple(slots)
+            t3 = clock()
+            alloc_ns += t2 - t1
+            free_ns += t3 - t2
+        loop_ns = clock() - start
+        assert allocator.num_free_slots == pool_blocks
+        manager.shutdown()
+        out[str(n)] = {
+            "blocks_per_call": n,
+            "iterations": cycles,
+            "alloc_us_per_call": alloc_ns / 1e3 / cycles,
+            "free_us_per_call": free_ns / 1e3 / cycles,
+            "cycle_us": loop_ns / 1e3 / cycles,
+        }
+    return out
+
+
+# -- (b) scheduler cycle --------------------------------------------------------------------------
+
+
+def layout_config(layout: str, pool_blocks: int, disk_dir: str) -> KVCacheManagerConfig:
+    """A manager whose full-attention pool group has exactly `pool_blocks` GPU slots."""
+    base = exact_block_config(pool_blocks, 16)
+    if layout == "full":
+        config = base
+    elif layout == "tiers":
+        gpu_quota = base.cache_tiers[0].quota
+        config = KVCacheManagerConfig(
+            16,
+            [
+                base.cache_tiers[0],
+                HostCacheTierConfig(gpu_quota),
+                DiskCacheTierConfig(2 * gpu_quota, disk_dir),
+            ],
+            base.layers,
+            max_util_for_resume=1.0,
+        )
+    elif layout == "hybrid":
+        # Five sliding-window layers (512 tokens, 16 sinks) and one full layer: two pool groups.
+        # The window group gets the same slot count; a request keeps at most 34 of its blocks.
+        (full_layer,) = base.layers
+        size = full_layer.buffers[0].size
+        windowed = [
+            AttentionLayerConfig(
+                layer, [BufferConfig("kv", size)], sliding_window_size=512, num_sink_tokens=16
+            )
+            for layer in range(1, 6)
+        ]
+        config = KVCacheManagerConfig(
+            16,
+            [GpuCacheTierConfig(base.cache_tiers[0].quota * 6)],
+            [AttentionLayerConfig(0, [BufferConfig("kv", size)]), *windowed],
+            max_util_for_resume=1.0,
+            initial_pool_ratio=[1 / 6, 5 / 6],  # bytes: equal slot counts
+        )
+    else:
+        raise SystemExit(f"--layouts: unknown layout {layout!r} (choose from {LAYOUTS})")
+    return KVCacheManagerConfig(
+        config.tokens_per_block,
+        config.cache_tiers,
+        config.layers,
+        max_util_for_resume=1.0,
+        enable_partial_reuse=False,
+        initial_pool_ratio=config.initial_pool_ratio,
+    )
+
+
+class Running:
+    __slots__ = ("cache", "outputs", "produced")
+
+    def __init__(self, cache: Any, outputs: list[int]) -> None:
+        self.cache = cache
+        self.outputs = outputs
+        self.produced = 1  # the prefill step produces the first output token
+
+
+def scheduler_cycle(
+    requests: list[Any], layout: str, pool_blocks: int, max_batch: int, decode_len: int
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as disk_dir:
+        manager = KVCacheManager(layout_config(layout, pool_blocks, disk_dir))
+        slot_counts = [manager.get_slot_counts(level) for level in range(manager.num_levels)]
+        clock = time.perf_counter_ns
+        hit_tokens = prompt_tokens = steps = request_steps = 0
+        running: list[Running] = []
+        next_request = 0
+        gc.collect()
+        start = clock()
+        while next_request < len(requests) or running:
+            steps += 1
+            for item in running:  # one decode token each
+                cache = item.cache
+                if not cache.resize(cache.capacity + 1):
+                    raise RuntimeError("kvpool: out of pages in decode (pool too small)")
+            admitted = []
+            while next_request < len(requests) and len(running) + len(admitted) < max_batch:
+                request = requests[next_request]
+                next_request += 1
+                prompt = request.prompt_token_ids
+                cache = manager.create_kv_cache(None, prompt[:-1])
+                hit = cache.num_committed_tokens
+                if not (cache.resume() and cache.resize(len(prompt))):
+                    raise RuntimeError("kvpool: out of pages in prefill (pool too small)")
+                cache.commit(prompt[hit:])
+                hit_tokens += hit
+                prompt_tokens += len(prompt)
+                admitted.append(Running(cache, request.output_token_ids))
+            for item in running:  # the model ran: the token fed this step is final
+                item.cache.commit((item.outputs[item.produced - 1],))
+                item.produced += 1
+            running += admitted
+            request_steps += len(running)
+            still = []
+            for item in running:
+                if item.produced >= decode_len:
+                    item.cache.close()
+                else:
+                    still.append(item)
+            running = still
+        total_ns = clock() - start
+        stats = manager.get_storage_statistics(0)
+        moved = manager.num_moved_pages
+        manager.shutdown()
+    return {
+        "total_wall_s": total_ns / 1e9,
+        "us_per_step_per_request": total_ns / 1e3 / request_steps,
+        "request_steps": request_steps,
+        "scheduler_steps": steps,
+        "prefix_hit_tokens": hit_tokens,
+        "prompt_tokens": prompt_tokens,
+        "prefix_hit_rate_tokens": hit_tokens / prompt_tokens,
+        "pages_moved_between_levels": moved,
+        "slots_per_level": slot_counts,
+        "evictable_pages_at_end": [s.evictable for s in stats],
+    }
+
+
+def median_tree(items: list[Any]) -> Any:
+    first = items[0]
+    if isinstance(first, dict):
+        return {key: median_tree([item[key] for item in items]) for key in first}
+    if isinstance(first, bool) or not isinstance(first, int | float):
+        return first
+    return statistics.median(items)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="a,b")
+    parser.add_argument("--layouts", default="full", help=f"comma list of {', '.join(LAYOUTS)}")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-requests", type=int, default=2000)
+    parser.add_argument("--churn-sizes", default="10,100,1000")
+    parser.add_argument("--churn-iters", type=int, default=1000)
+    parser.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS)
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    workload = load_workload_module(args.peers_dir)
+    workloads = args.workloads.split(",")
+    layouts = args.layouts.split(",")
+    for layout in layouts:
+        if layout not in LAYOUTS:
+            parser.error(f"--layouts: unknown layout {layout!r} (choose from {LAYOUTS})")
+    sizes = [int(size) for size in args.churn_sizes.split(",")]
+    prefix = workload.make_prefix_workload(seed=args.seed, num_requests=args.num_requests)
+    runs: list[dict[str, Any]] = []
+    for run in range(args.runs):
+        result: dict[str, Any] = {}
+        if "a" in workloads:
+            result["a"] = churn(workload.CHURN_POOL_BLOCKS, sizes, args.churn_iters)
+        if "b" in workloads:
+            for layout in layouts:
+                result["b" if layout == "full" else f"b_{layout}"] = scheduler_cycle(
+                    prefix.requests,
+                    layout,
+                    workload.PREFIX_POOL_BLOCKS,
+                    workload.MAX_BATCH,
+                    prefix.params["decode_len"],
+                )
+        runs.append(result)
+        print(f"[kvpool] run {run + 1}/{args.runs} done", file=sys.stderr, flush=True)
+    report = {key: median_tree([run[key] for run in runs]) for key in runs[0]}
+    text = json.dumps({"peer": "kvpool", "medians": report, "runs": runs}, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
