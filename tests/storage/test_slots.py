@@ -163,18 +163,30 @@ def test_double_release_names_the_slot():
     allocator.release(slot)
     with pytest.raises(LogicError, match="slot 0 was already released"):
         allocator.release(slot)
-    # A stale handle must not free the id's next owner.
+    # One handle per id for the allocator's life: no object is made per allocation.
     again = allocator.allocate()
-    assert again.slot_id == 0
-    with pytest.raises(LogicError, match="slot 0 was already released"):
-        allocator.release(slot)
-    assert allocator.is_occupied(0)
+    assert again is slot and not again.released
+    assert allocator.num_free_slots == 3
+
+
+def test_release_multiple_is_all_or_nothing():
+    allocator = SlotAllocator(8)
+    slots = allocator.allocate_multiple(4)
+    with pytest.raises(LogicError, match="slot 2 is given twice"):
+        allocator.release_multiple([slots[0], slots[2], slots[2]])
+    with pytest.raises(LogicError, match="not a slot of this allocator"):
+        allocator.release_multiple([slots[1], SlotAllocator(8).allocate()])
+    assert allocator.num_occupied_slots == 4
+    assert not any(slot.released for slot in slots)
+    allocator.release_multiple(slots)
+    assert allocator.num_free_slots == 8
+    allocator.check_invariants()
 
 
 def test_release_of_a_foreign_slot_names_it():
     allocator = SlotAllocator(4)
     foreign = SlotAllocator(8).allocate_multiple(6)[-1]
-    with pytest.raises(LogicError, match="slot 5 is not occupied"):
+    with pytest.raises(LogicError, match=r"Slot\(5\) is not a slot of this allocator"):
         allocator.release(foreign)
 
 

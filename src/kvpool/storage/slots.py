@@ -7,11 +7,17 @@ two-phase: `prepare_for_shrink(n)` stops issuing ids >= n and parks freed ones i
 `finish_shrink()` succeeds once every issued id >= n is back, i.e. when
 ``len(overflow) == max(0, num_active_slots - n)``. The ``max(0, ...)`` lets a pool whose high-water
 mark is below the new size shrink at once.
+
+Each id has one `Slot` object for the allocator's life, made when the id is first issued and
+handed out again on every allocation (no object per allocation: the engine's hot loop allocates
+and frees thousands per second). So a double release is caught, but a handle kept after its
+release is the next owner's handle too: owners must drop it when they release (pages do).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -29,10 +35,10 @@ class ReadyEvent(Protocol):
 
 
 class Slot:
-    """One allocated slot id. Before using the slot, wait on `ready_event` if it is not None.
+    """The handle of one slot id. Before using the slot, wait on `ready_event` if it is not None.
 
     When releasing, set `ready_event` to the event that marks this owner's last use, so that the
-    next owner waits for it.
+    next owner waits for it. `released` is True while the id is free.
     """
 
     __slots__ = ("ready_event", "released", "slot_id")
@@ -56,12 +62,10 @@ class SlotAllocator:
         self._target = capacity
         self._num_active = 0
         self._recycled: deque[int] = deque()
-        self._waiting: deque[int] = deque()
+        self._waiting: deque[int] = deque()  # their slot's ready_event is not set yet
         self._overflow: list[int] = []
-        self._occupied = bytearray(capacity)
+        self._slots: list[Slot] = []  # the handle of each id below the high-water mark
         self._num_occupied = 0
-        # Ready events of free ids (waiting or overflow) whose last use may still be running.
-        self._pending: dict[int, ReadyEvent] = {}
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -98,7 +102,7 @@ class SlotAllocator:
         return self._target < self._capacity
 
     def is_occupied(self, slot_id: int) -> bool:
-        return 0 <= slot_id < self._capacity and self._occupied[slot_id] == 1
+        return 0 <= slot_id < self._num_active and not self._slots[slot_id].released
 
     def get_slots_blocking_shrink(self) -> list[int]:
         """Occupied ids at or above the target capacity: they must be released (or their pages
@@ -107,75 +111,90 @@ class SlotAllocator:
 
     def occupied_at_or_above(self, first: int) -> list[int]:
         """Occupied ids >= `first`, ascending."""
-        end = min(self._capacity, self._num_active)
-        if first >= end:
-            return []
-        start = max(first, 0)
-        occupied = np.frombuffer(self._occupied, dtype=np.uint8, count=end - start, offset=start)
-        return [start + int(i) for i in np.flatnonzero(occupied)]
+        return [slot.slot_id for slot in self._slots[max(first, 0) :] if not slot.released]
 
     # -- allocation ------------------------------------------------------------------------------
 
     def allocate(self) -> Slot:
         """One free slot: a ready recycled id, else a fresh id, else a waiting id whose
         `ready_event` the caller must wait on. Raises `OutOfPagesError` when none is free."""
-        waiting = self._waiting
-        while waiting and self._pending[waiting[0]].is_set():
-            del self._pending[waiting[0]]
-            self._recycled.append(waiting.popleft())
-        if self._recycled:
-            slot_id = self._recycled.popleft()
-        elif self._num_active < self._target:
-            slot_id = self._num_active
-            self._num_active += 1
-        elif waiting:
-            slot_id = waiting.popleft()
-        else:
+        if not self.num_free_slots:
             raise OutOfPagesError(
                 f"no free slot: all {self._target} slots below the target capacity are occupied"
             )
-        self._occupied[slot_id] = 1
-        self._num_occupied += 1
-        slot = Slot(slot_id, self._pending.pop(slot_id, None))
-        if _debug.DEBUG:
-            self.check_invariants()
-        return slot
+        return self._take(1)[0]
 
     def allocate_multiple(self, count: int) -> list[Slot]:
-        """`count` slots, or `OutOfPagesError` and nothing allocated."""
+        """`count` slots, in `allocate()` order, or `OutOfPagesError` and nothing allocated."""
         _check_int("count", count, 0, None)
         if count > self.num_free_slots:
             raise OutOfPagesError(f"need {count} free slots, only {self.num_free_slots} are free")
-        return [self.allocate() for _ in range(count)]
+        return self._take(count)
+
+    def _take(self, count: int) -> list[Slot]:
+        """Hand out `count` ids (the caller checked that they are free), one batch at a time."""
+        waiting, recycled, slots = self._waiting, self._recycled, self._slots
+        while waiting:
+            event = slots[waiting[0]].ready_event
+            if event is not None and not event.is_set():
+                break
+            slots[waiting[0]].ready_event = None
+            recycled.append(waiting.popleft())
+        if count <= len(recycled):
+            taken = [slots[recycled.popleft()] for _ in range(count)]
+        else:
+            taken = [slots[slot_id] for slot_id in recycled]
+            recycled.clear()
+            fresh = min(count - len(taken), self._target - self._num_active)
+            first = self._num_active
+            slots += map(Slot, range(first, first + fresh))
+            taken += slots[first:]
+            self._num_active += fresh
+            taken += [slots[waiting.popleft()] for _ in range(count - len(taken))]
+        for slot in taken:
+            slot.released = False
+        self._num_occupied += count
+        if _debug.DEBUG:
+            self.check_invariants()
+        return taken
 
     def release(self, slot: Slot, ready_event: ReadyEvent | None = None) -> None:
         """Return a slot. `ready_event` (or `slot.ready_event`) marks when its last use is done."""
-        slot_id = slot.slot_id
-        if slot.released:
-            raise LogicError(f"slot {slot_id} was already released")
-        if not self.is_occupied(slot_id):
-            raise LogicError(f"slot {slot_id} is not occupied (capacity {self._capacity})")
-        self._occupied[slot_id] = 0
-        self._num_occupied -= 1
-        slot.released = True
-        event = ready_event if ready_event is not None else slot.ready_event
-        in_use = False
-        if event is not None and not event.is_set():
-            self._pending[slot_id] = event
-            in_use = True
-        if slot_id >= self._target:
-            self._overflow.append(slot_id)
-        elif in_use:
-            self._waiting.append(slot_id)
-        else:
-            self._recycled.append(slot_id)
+        self.release_multiple((slot,), ready_event)
+
+    def release_multiple(self, slots: Sequence[Slot], ready_event: ReadyEvent | None = None) -> None:
+        """`release` each slot; all or nothing (a bad slot raises before any is released)."""
+        own, active = self._slots, self._num_active
+        for index, slot in enumerate(slots):
+            slot_id = slot.slot_id
+            if slot.released or slot_id >= active or own[slot_id] is not slot:
+                for earlier in slots[:index]:
+                    earlier.released = False
+                self._refuse_release(slot, slots)
+            slot.released = True  # also catches a slot given twice
+        target, recycled = self._target, self._recycled
+        for slot in slots:
+            if ready_event is not None:
+                slot.ready_event = ready_event
+            event = slot.ready_event
+            if event is not None and event.is_set():
+                slot.ready_event = event = None
+            if slot.slot_id >= target:
+                self._overflow.append(slot.slot_id)
+            elif event is None:
+                recycled.append(slot.slot_id)
+            else:
+                self._waiting.append(slot.slot_id)
+        self._num_occupied -= len(slots)
         if _debug.DEBUG:
             self.check_invariants()
 
-    def release_multiple(self, slots: list[Slot]) -> None:
-        """`release` each slot."""
-        for slot in slots:
-            self.release(slot)
+    def _refuse_release(self, slot: Slot, slots: Sequence[Slot]) -> None:
+        if sum(other is slot for other in slots) > 1:
+            raise LogicError(f"slot {slot.slot_id} is given twice")
+        if slot.released:
+            raise LogicError(f"slot {slot.slot_id} was already released")
+        raise LogicError(f"{slot!r} is not a slot of this allocator (capacity {self._capacity})")
 
     # -- resizing --------------------------------------------------------------------------------
 
@@ -207,13 +226,13 @@ class SlotAllocator:
                 f"are still occupied ({shown}); release them first"
             )
         for slot_id in self._overflow:
-            event = self._pending.pop(slot_id, None)
+            event = self._slots[slot_id].ready_event
             if event is not None:
                 event.wait()
         self._overflow.clear()
         self._capacity = self._target
         self._num_active = min(self._num_active, self._capacity)
-        del self._occupied[self._capacity :]
+        del self._slots[self._capacity :]
         if _debug.DEBUG:
             self.check_invariants()
         return True
@@ -223,7 +242,8 @@ class SlotAllocator:
         if not self.shrink_in_progress:
             raise LogicError("cancel_shrink() without prepare_for_shrink()")
         for slot_id in self._overflow:
-            (self._waiting if slot_id in self._pending else self._recycled).append(slot_id)
+            waiting = self._slots[slot_id].ready_event is not None
+            (self._waiting if waiting else self._recycled).append(slot_id)
         self._overflow.clear()
         self._target = self._capacity
         if _debug.DEBUG:
@@ -234,7 +254,6 @@ class SlotAllocator:
         if self.shrink_in_progress:
             raise LogicError(f"cannot expand while a shrink to {self._target} is in progress")
         _check_int("new_capacity", new_capacity, self._capacity + 1, None)
-        self._occupied.extend(bytes(new_capacity - self._capacity))
         self._capacity = self._target = new_capacity
         if _debug.DEBUG:
             self.check_invariants()
@@ -242,20 +261,19 @@ class SlotAllocator:
     # -- consistency -----------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise `CorruptedError` if the bookkeeping is inconsistent (O(capacity), numpy)."""
+        """Raise `CorruptedError` if the bookkeeping is inconsistent (O(capacity))."""
         capacity, target, active = self._capacity, self._target, self._num_active
         problems = []
         if not 0 <= target <= capacity or not 0 <= active <= capacity:
             problems.append(f"target {target}, active {active}, capacity {capacity}")
-        if len(self._occupied) != capacity:
-            problems.append(f"occupied map has {len(self._occupied)} entries")
-        occupied = np.frombuffer(self._occupied, dtype=np.uint8)
+        slots = self._slots
+        if len(slots) != active or any(slot.slot_id != i for i, slot in enumerate(slots)):
+            problems.append(f"{len(slots)} slot handles for a high-water mark of {active}")
+        occupied = np.fromiter((not slot.released for slot in slots), dtype=bool, count=len(slots))
         if int(np.count_nonzero(occupied)) != self._num_occupied:
             problems.append(
-                f"occupied count {self._num_occupied} != map {np.count_nonzero(occupied)}"
+                f"occupied count {self._num_occupied} != handles {np.count_nonzero(occupied)}"
             )
-        if occupied[active:].any():
-            problems.append("an id at or above the high-water mark is occupied")
         recycled = np.array([*self._recycled, *self._waiting], dtype=np.int64)
         overflow = np.array(self._overflow, dtype=np.int64)
         if recycled.size and (recycled.min() < 0 or recycled.max() >= min(target, active)):
@@ -265,17 +283,17 @@ class SlotAllocator:
         free = np.concatenate([recycled, overflow])
         if np.unique(free).size != free.size:
             problems.append("an id is free twice")
-        elif free.size and occupied[free[free < capacity]].any():
+        elif free.size and free.max() < len(slots) and occupied[free].any():
             problems.append("an id is both free and occupied")
         if recycled.size + overflow.size + self._num_occupied != active:
             problems.append(
                 f"recycled+waiting {recycled.size} + overflow {overflow.size} + occupied "
                 f"{self._num_occupied} != high-water mark {active}"
             )
-        if any(slot_id not in self._pending for slot_id in self._waiting):
+        if any(slots[slot_id].ready_event is None for slot_id in self._waiting):
             problems.append("a waiting id has no ready event")
-        if any(self.is_occupied(slot_id) for slot_id in self._pending):
-            problems.append("an occupied id has a pending release event")
+        if any(slots[slot_id].ready_event is not None for slot_id in self._recycled):
+            problems.append("a recycled id has a ready event")
         if problems:
             raise CorruptedError("SlotAllocator: " + "; ".join(problems))
 
