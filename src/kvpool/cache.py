@@ -71,7 +71,7 @@ class KVCache:
         self.exclude_from_stats = exclude_from_stats
         """Warm-up or padding requests: their shapes never feed the rebalancing estimate."""
         self.reused_length = 0  # tokens reused at creation
-        self._shape_sums = [0, 0, 0]  # capacity, history, number of resizes
+        self._sum_capacity = self._sum_history = self._num_resizes = 0  # for `mean_shape`
         self._priority_callback = priority_callback
         self._status = KVCacheStatus.SUSPENDED
         layout = context.layout
@@ -121,8 +121,8 @@ class KVCache:
     @property
     def mean_shape(self) -> tuple[float, float]:
         """Mean capacity and history length over the calls to `resize` (0, 0 if none)."""
-        capacity, history, count = self._shape_sums
-        return (capacity / count, history / count) if count else (0.0, 0.0)
+        count = self._num_resizes
+        return (self._sum_capacity / count, self._sum_history / count) if count else (0.0, 0.0)
 
     def resume(self) -> bool:
         """Bring every page the request needs to the GPU level and lock it there. Returns False
@@ -291,23 +291,28 @@ class KVCache:
         """Reserve blocks for `capacity` tokens and advance the history. All or nothing: returns
         False, with nothing changed, when the pages cannot be found even by eviction.
         Blocks that fall out of a sliding window are released (sink blocks stay)."""
-        self._require_active("resize")
+        if self._status is not KVCacheStatus.ACTIVE:
+            self._require_active("resize")
         history = self._history if history_length is None else history_length
-        for name, value in (("capacity", capacity), ("history_length", history)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ArgumentError(f"{name}={value!r} is invalid: must be an integer >= 0")
+        if type(capacity) is not int or capacity < 0:  # bool is not accepted either
+            raise ArgumentError(f"capacity={capacity!r} is invalid: must be an integer >= 0")
+        if type(history) is not int or history < 0:
+            raise ArgumentError(f"history_length={history!r} is invalid: must be an integer >= 0")
         if history < self._history:
             raise LogicError(f"history_length cannot decrease (from {self._history} to {history})")
         if history > capacity:
             raise LogicError(f"history_length {history} cannot exceed capacity {capacity}")
-        sums = self._shape_sums
-        sums[0] += capacity
-        sums[1] += history
-        sums[2] += 1
+        self._sum_capacity += capacity
+        self._sum_history += history
+        self._num_resizes += 1
         tpb = self._tpb
-        old_blocks, new_blocks = self.num_blocks, -(-capacity // tpb)
-        stale = [(g, lc.stale_range(history, tpb)) for g, lc in self._windowed]
-        if new_blocks == old_blocks and all(end <= self._released_end[g] for g, (_, end) in stale):
+        old_blocks, new_blocks = -(-self._capacity // tpb), -(-capacity // tpb)
+        if self._windowed:
+            stale = [(g, lc.stale_range(history, tpb)) for g, lc in self._windowed]
+            unchanged = all(end <= self._released_end[g] for g, (_, end) in stale)
+        else:
+            stale, unchanged = [], True
+        if new_blocks == old_blocks and unchanged:
             self._capacity, self._history = capacity, history
             return True
         layout, storage = self._ctx.layout, self._ctx.storage
@@ -386,38 +391,55 @@ class KVCache:
         """Make the next `tokens` (whose KV is written) final. Every block they fill goes into
         the radix tree; if an identical block is already there, this request switches to the
         tree's pages and frees its own."""
-        self._require_active("commit")
+        if self._status is not KVCacheStatus.ACTIVE:
+            self._require_active("commit")
         if not self._committing:
             raise LogicError("cannot commit tokens after stop_committing()")
-        tokens = list(tokens)
-        if self._committed + len(tokens) > self._capacity:
+        if not isinstance(tokens, list | tuple | range):
+            tokens = list(tokens)
+        count = len(tokens)
+        if self._committed + count > self._capacity:
             raise LogicError(
-                f"cannot commit {len(tokens)} tokens: {self._committed} are committed and the "
+                f"cannot commit {count} tokens: {self._committed} are committed and the "
                 f"capacity is {self._capacity}"
             )
         encoded = encode_tokens(tokens)  # validates before anything changes
-        tail, tpb = self._tail, self._tpb
-        tail.extend(tokens)
+        tail = self._tail
+        tail += tokens
         # Keep the tail's bytes while every token is an int (4 bytes): no re-encoding per block.
-        if self._tail_bytes is not None and len(encoded) == 4 * len(tokens):
+        if self._tail_bytes is not None and len(encoded) == 4 * count:
             self._tail_bytes += encoded
         else:
             self._tail_bytes = None
-        self._committed += len(tokens)
-        while len(tail) >= tpb:
-            block_tokens = tuple(tail[:tpb])
-            del tail[:tpb]
-            if self._tail_bytes is not None:
-                block_bytes = bytes(self._tail_bytes[: 4 * tpb])
-                del self._tail_bytes[: 4 * tpb]
+        self._committed += count
+        if len(tail) >= self._tpb:
+            self._commit_full_blocks()
+        if self._committed > self._history:
+            self._history = self._committed
+        if _debug.DEBUG:
+            self._ctx.check()
+
+    def _commit_full_blocks(self) -> None:
+        """Insert the tail's full blocks into the tree, in order; keep the rest as the tail."""
+        tail, data, tpb = self._tail, self._tail_bytes, self._tpb
+        num_full = len(tail) // tpb
+        first = (self._committed - len(tail)) // tpb
+        for number in range(num_full):
+            start = number * tpb
+            block_tokens = tuple(tail[start : start + tpb])
+            if data is not None:
+                block_bytes = bytes(data[4 * start : 4 * (start + tpb)])
             else:
                 block_bytes = encode_tokens(block_tokens)
-            index = (self._committed - len(tail)) // tpb - 1
-            self._commit_block(index, block_tokens, block_bytes, snapshot=not tail)
+            last = number == num_full - 1
+            self._commit_block(
+                first + number, block_tokens, block_bytes, snapshot=last and len(tail) == tpb * num_full
+            )
+        del tail[: num_full * tpb]
         if not tail:
-            self._tail_bytes = bytearray()
-        self._history = max(self._history, self._committed)
-        self._after_call()
+            self._tail_bytes = bytearray()  # a digest token only affects its own block
+        elif data is not None:
+            del data[: 4 * num_full * tpb]
 
     def stop_committing(self) -> None:
         """No more commits: the unfinished tail block goes into the tree as a partial block."""

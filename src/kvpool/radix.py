@@ -11,7 +11,6 @@ removes what became unreachable and returns the pages that lost their block.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import struct
 from collections.abc import Iterator, Sequence
@@ -67,20 +66,25 @@ def _encode_scope_field(name: str, value: object) -> bytes:
 def encode_tokens(tokens: Sequence[Token]) -> bytes:
     """Bytes of a block's tokens: ints in [0, 2**31) as 4-byte little-endian, 32-byte digests
     after a marker. Anything else raises `ArgumentError` (a ValueError)."""
+    if len(tokens) == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN:
+        return tokens[0].to_bytes(4, "little")  # a decode step's one token
+    packer = _PACKERS.get(len(tokens))
+    if packer is None:
+        packer = struct.Struct(f"<{len(tokens)}i")
+        if len(tokens) <= MAX_CACHED_PACKER:
+            _PACKERS[len(tokens)] = packer
     try:
-        data = struct.pack(f"<{len(tokens)}i", *tokens)
+        data = packer.pack(*tokens)
     except (struct.error, TypeError):
         return b"".join(_encode_token(token) for token in tokens)
-    if int.from_bytes(data, "little") & _sign_mask(len(tokens)):  # a negative int
+    if not data[3::4].isascii():  # a top byte >= 0x80: a negative int
         for token in tokens:
             _encode_token(token)
     return data
 
 
-@functools.cache
-def _sign_mask(count: int) -> int:
-    """The sign bit of each of `count` 4-byte little-endian ints, as one integer."""
-    return int.from_bytes(b"\x00\x00\x00\x80" * count, "little")
+MAX_CACHED_PACKER = 512
+_PACKERS: dict[int, struct.Struct] = {}  # by token count: a block, a decode step
 
 
 def _encode_token(token: object) -> bytes:
