@@ -275,12 +275,9 @@ class KVCache:
         self._deferred = []
         # Last block first: parents become evictable after their children, so eviction trims
         # a cached chain from its end and shorter prefixes stay reusable.
-        for g, pages in enumerate(self._pages):
-            for index in range(len(pages) - 1, -1, -1):
-                page = pages[index]
-                if page is not None:
-                    self._table.clear(g, index)
-                    self._release(page)
+        release = storage.unlock_all if self._status is KVCacheStatus.ACTIVE else storage.unhold_all
+        for g in range(len(self._pages)):
+            release([page for page in reversed(self._table.clear_all(g)) if page is not None])
         self._status = KVCacheStatus.CLOSED
         self._ctx.on_close(self)
         self._after_call()
@@ -377,8 +374,7 @@ class KVCache:
         for g, wanted in grants.items():
             reuse = recycled.get(g, [])
             reuse += self._new_pages(g, len(wanted) - len(reuse))
-            for index, page in zip(wanted, reuse, strict=True):
-                self._set_page(g, index, page)
+            self._table.set_many(g, wanted, reuse)
         for g, (_, end) in stale:
             self._released_end[g] = max(self._released_end[g], end)
         self._capacity, self._history = capacity, history
@@ -607,11 +603,9 @@ class KVCache:
         """`count` new pages of layer group `g` on the GPU, locked by this request."""
         if count <= 0:
             return []
-        storage = self._ctx.storage
-        pages = storage.new_pages(GPU_LEVEL, self._ctx.layout.pool_group_of[g], g, count)
-        for page in pages:
-            storage.lock(page)
-        return pages
+        return self._ctx.storage.new_pages(
+            GPU_LEVEL, self._ctx.layout.pool_group_of[g], g, count, locks=1
+        )
 
     def _set_page(self, g: int, index: int, page: Page) -> None:
         """Put a page this request already owns into its table."""

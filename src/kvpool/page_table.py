@@ -15,6 +15,7 @@ class PageTable:
     an SSM layer group has one entry, the live state."""
 
     def __init__(self, num_layer_groups: int, ssm_groups: set[int]) -> None:
+        self._ssm_groups = ssm_groups
         self.pages: list[list[Page | None]] = [
             [None] if g in ssm_groups else [] for g in range(num_layer_groups)
         ]
@@ -29,6 +30,22 @@ class PageTable:
         self.pages[g][index] = page
         self.tables[g][index] = page.slot_id
         self.version += 1
+
+    def set_many(self, g: int, indices: list[int], pages: list[Page]) -> None:
+        """`set` each index to its page (one numpy write)."""
+        page_list = self.pages[g]
+        for index, page in zip(indices, pages, strict=True):
+            page_list[index] = page
+        self.tables[g][indices] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]
+        self.version += 1
+
+    def clear_all(self, g: int) -> list[Page | None]:
+        """Empty one layer group's table; returns its pages (None where a block had none)."""
+        pages = self.pages[g]
+        self.pages[g] = [None] if g in self._ssm_groups else []
+        self.tables[g][: len(pages)] = BAD_PAGE_INDEX
+        self.version += 1
+        return pages
 
     def clear(self, g: int, index: int) -> Page:
         page = self.pages[g][index]

@@ -42,13 +42,15 @@ class Page:
         "slot",
     )
 
-    def __init__(self, slot: Slot, level: int, pool_group: int, layer_group: int) -> None:
+    def __init__(
+        self, slot: Slot, level: int, pool_group: int, layer_group: int, locks: int = 0
+    ) -> None:
         self.slot: Slot | None = slot
         self.level = level
         self.pool_group = pool_group
         self.layer_group = layer_group
         self.block: Block | None = None  # set while the page is the tree block's copy
-        self.locks = 0
+        self.locks = locks
         self.holds = 0
         self.priority = DEFAULT_PRIORITY
         self.queued = False  # in its (level, pool group) eviction queue

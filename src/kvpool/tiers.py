@@ -36,6 +36,7 @@ class StorageManager:
 
     def __init__(self, levels: Sequence[LevelStorage]) -> None:
         self.levels = list(levels)
+        self._last_level = len(self.levels) - 1
         self.queues = [[EvictionQueue() for _ in level.pool_groups] for level in self.levels]
         # The page in each occupied slot, per level and pool group.
         self.pages = [[{} for _ in level.pool_groups] for level in self.levels]  # type: list[list[dict[int, Page]]]
@@ -50,7 +51,7 @@ class StorageManager:
 
     @property
     def last_level(self) -> int:
-        return len(self.levels) - 1
+        return self._last_level
 
     # -- capacity --------------------------------------------------------------------------------
 
@@ -75,18 +76,21 @@ class StorageManager:
 
     # -- allocation ------------------------------------------------------------------------------
 
-    def new_pages(self, level: int, pool_group: int, layer_group: int, count: int) -> list[Page]:
+    def new_pages(
+        self, level: int, pool_group: int, layer_group: int, count: int, locks: int = 0
+    ) -> list[Page]:
         """`count` new pages (evicting if needed), or `OutOfPagesError` and nothing changed.
-        The caller must lock or hold each one at once."""
-        self.make_room(level, pool_group, count)
+        With `locks=0` the caller must lock or hold each one at once."""
         allocator = self.levels[level].pool_groups[pool_group].allocator
+        if allocator.num_free_slots < count:
+            self.make_room(level, pool_group, count)
         pages = [
-            Page(slot, level, pool_group, layer_group)
+            Page(slot, level, pool_group, layer_group, locks)
             for slot in allocator.allocate_multiple(count)
         ]
         owners = self.pages[level][pool_group]
         for page in pages:
-            owners[page.slot_id] = page
+            owners[page.slot.slot_id] = page  # type: ignore[union-attr]
         return pages
 
     def make_room(
@@ -244,18 +248,19 @@ class StorageManager:
     def _drop(self, page: Page) -> None:
         if page.queued:
             self.queues[page.level][page.pool_group].remove(page)
-        orphans = self.on_drop(page) if page.block is not None else []
+        orphans = self.on_drop(page) if page.block is not None else ()
         self._free(page)
         self.num_dropped += 1
         for orphan in orphans:
             self.settle(orphan)
 
     def _free(self, page: Page) -> None:
-        assert page.slot is not None and page.locks == 0 and page.holds == 0, page
+        slot = page.slot
+        assert slot is not None and page.locks == 0 and page.holds == 0, page
         if page.queued:
             self.queues[page.level][page.pool_group].remove(page)
-        del self.pages[page.level][page.pool_group][page.slot_id]
-        self.levels[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
+        del self.pages[page.level][page.pool_group][slot.slot_id]
+        self.levels[page.level].pool_groups[page.pool_group].allocator.release(slot)
         page.slot = None
 
     # -- migration -------------------------------------------------------------------------------
@@ -408,31 +413,57 @@ class StorageManager:
         """After a page's owners, block or level changed: free it, queue it or unqueue it."""
         if page.slot is None:
             return
-        if not page.locks and not page.holds and page.block is None:
+        if page.locks:
+            evictable = False
+        elif page.holds:
+            evictable = page.level != self.last_level
+        elif page.block is None:
             self._free(page)
-        elif self.is_evictable(page):
+            return
+        else:
+            evictable = True
+        if evictable:
             if not page.queued:
                 self.queues[page.level][page.pool_group].push(page)
         elif page.queued:
             self.queues[page.level][page.pool_group].remove(page)
 
+    # Owner counts change only through these; each settles the page only when its status can
+    # have changed (a page with locks left stays locked whatever its holds).
+
     def lock(self, page: Page) -> None:
         page.locks += 1
-        self.settle(page)
+        if page.queued:
+            self.queues[page.level][page.pool_group].remove(page)
 
     def unlock(self, page: Page) -> None:
         assert page.locks > 0, page
         page.locks -= 1
-        self.settle(page)
+        if not page.locks:
+            self.settle(page)
+
+    def unlock_all(self, pages: Iterable[Page]) -> None:
+        """`unlock` each page, in order (the order they become evictable in)."""
+        for page in pages:
+            assert page.locks > 0, page
+            page.locks -= 1
+            if not page.locks:
+                self.settle(page)
 
     def hold(self, page: Page) -> None:
         page.holds += 1
-        self.settle(page)
+        if not page.locks:
+            self.settle(page)
 
     def unhold(self, page: Page) -> None:
         assert page.holds > 0, page
         page.holds -= 1
-        self.settle(page)
+        if not page.locks:
+            self.settle(page)
+
+    def unhold_all(self, pages: Iterable[Page]) -> None:
+        for page in pages:
+            self.unhold(page)
 
     def close(self) -> None:
         self.copier.close()
