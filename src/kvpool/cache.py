@@ -85,6 +85,7 @@ class KVCache:
         self._attention = [
             (g, lc) for g, lc in enumerate(layout.life_cycles) if isinstance(lc, AttentionLifeCycle)
         ]
+        self._attention_groups = [g for g, _ in self._attention]
         self._windowed = [(g, lc) for g, lc in self._attention if lc.window is not None]
         self._ssm = [
             g for g, lc in enumerate(layout.life_cycles) if not isinstance(lc, AttentionLifeCycle)
@@ -316,24 +317,25 @@ class KVCache:
         stale_of = dict(stale)
         releases: list[tuple[int, int]] = []
         grants: dict[int, list[int]] = {}
-        for g, _ in self._attention:
+        for g in self._attention_groups:
             pages = self._pages[g]
             beg, end = stale_of.get(g, (0, 0))
             # Newly stale blocks, then blocks past a smaller capacity (stale ones never reach
             # that far: end <= ceil(history / tpb) <= new_blocks).
-            for index in [
+            for index in (
                 *range(max(beg, self._released_end[g]), min(end, old_blocks)),
                 *range(new_blocks, old_blocks),
-            ]:
+            ):
                 if pages[index] is not None:
                     releases.append((g, index))
-            wanted = [i for i in range(old_blocks, new_blocks) if not beg <= i < end]
-            if wanted:
-                grants[g] = wanted
+            if new_blocks > old_blocks:
+                wanted = [i for i in range(old_blocks, new_blocks) if not beg <= i < end]
+                if wanted:
+                    grants[g] = wanted
         # Pages owned only by this request: an uncommitted one gives its slot straight to a new
         # block of its layer group; a committed one becomes evictable, so it frees a slot too.
         recycle: dict[int, list[int]] = {}  # layer group -> blocks whose page moves to a new block
-        freed_committed: list[list[Page]] = [[] for _ in range(layout.num_pool_groups)]
+        freed_committed: dict[int, list[Page]] = {}  # per pool group
         for g, index in releases:
             page = self._pages[g][index]
             assert page is not None
@@ -343,18 +345,17 @@ class KVCache:
                     if len(chosen) < len(grants.get(g, ())):
                         chosen.append(index)
                 else:
-                    freed_committed[page.pool_group].append(page)
+                    freed_committed.setdefault(page.pool_group, []).append(page)
         fresh = [0] * layout.num_pool_groups  # slots to allocate per pool group
         for g, wanted in grants.items():
             fresh[layout.pool_group_of[g]] += len(wanted) - len(recycle.get(g, ()))
         # Make room before releasing anything, so that a refusal changes nothing; the pages
         # released below then cover the rest.
-        first = [max(0, n - len(c)) for n, c in zip(fresh, freed_committed, strict=True)]
-        if not storage.can_allocate(GPU_LEVEL, first):
+        first = fresh
+        if freed_committed:
+            first = [max(0, n - len(freed_committed.get(pg, ()))) for pg, n in enumerate(fresh)]
+        if not storage.reserve(GPU_LEVEL, first):
             return False
-        for pool_group, count in enumerate(first):
-            if count:
-                storage.make_room(GPU_LEVEL, pool_group, count)
         recycled: dict[int, list[Page]] = {}
         for g, index in releases:
             if index in recycle.get(g, ()):
@@ -364,21 +365,22 @@ class KVCache:
                 self._table.clear(g, index)
             else:
                 self._clear_page(g, index)
-        for g, _ in self._attention:
+        for g in self._attention_groups:
             self._table.resize(g, new_blocks)
-        for pool_group, count in enumerate(fresh):
+        for pool_group, pages_freed in freed_committed.items():
+            count = fresh[pool_group]
             if count > storage.num_free(GPU_LEVEL, pool_group):
-                storage.make_room_evicting(
-                    GPU_LEVEL, pool_group, count, freed_committed[pool_group]
-                )
+                storage.make_room_evicting(GPU_LEVEL, pool_group, count, pages_freed)
         for g, wanted in grants.items():
             reuse = recycled.get(g, [])
             reuse += self._new_pages(g, len(wanted) - len(reuse))
             self._table.set_many(g, wanted, reuse)
         for g, (_, end) in stale:
-            self._released_end[g] = max(self._released_end[g], end)
+            if end > self._released_end[g]:
+                self._released_end[g] = end
         self._capacity, self._history = capacity, history
-        self._after_call()
+        if _debug.DEBUG:
+            self._ctx.check()
         return True
 
     # -- commit ----------------------------------------------------------------------------------

@@ -33,10 +33,15 @@ class PageTable:
 
     def set_many(self, g: int, indices: list[int], pages: list[Page]) -> None:
         """`set` each index to its page (one numpy write)."""
-        page_list = self.pages[g]
-        for index, page in zip(indices, pages, strict=True):
-            page_list[index] = page
-        self.tables[g][indices] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]
+        page_list, table = self.pages[g], self.tables[g]
+        if len(indices) < 8:  # numpy's per-call cost beats a few scalar writes
+            for index, page in zip(indices, pages, strict=True):
+                page_list[index] = page
+                table[index] = page.slot.slot_id  # type: ignore[union-attr]
+        else:
+            for index, page in zip(indices, pages, strict=True):
+                page_list[index] = page
+            table[indices] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]
         self.version += 1
 
     def clear_all(self, g: int) -> list[Page | None]:

@@ -163,6 +163,14 @@ class RadixTree:
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.roots: dict[bytes, Block] = {}
+        # Per layer group: blocks below this ordinal need its page to stay reusable (every
+        # block for full attention, the sink blocks for a window, none for SSM).
+        self._anchor_blocks = [
+            (2**63 if lc.window is None else lc.num_sink_blocks)
+            if isinstance(lc, AttentionLifeCycle)
+            else 0
+            for lc in layout.life_cycles
+        ]
 
     def root(self, key: bytes) -> Block:
         """The root of a scope (created on first use; removed again when it has no children)."""
@@ -283,18 +291,15 @@ class RadixTree:
         assert block is not None and block.pages[page.layer_group] is page
         block.pages[page.layer_group] = None
         page.block = None
-        orphans: list[Page] = []
-        life_cycle = self.layout.life_cycles[page.layer_group]
-        if isinstance(life_cycle, AttentionLifeCycle) and (
-            life_cycle.window is None or block.ordinal < life_cycle.num_sink_blocks
-        ):
+        if block.ordinal < self._anchor_blocks[page.layer_group]:
             parent = block.parent
+            orphans: list[Page] = []
             self._remove_subtree(block, orphans)
             if parent is not None:
                 self._prune_upwards(parent)
-        else:
-            self._prune_upwards(block)
-        return orphans
+            return orphans
+        self._prune_upwards(block)
+        return []
 
     def clear(self) -> list[Page]:
         """Remove every block; return their pages."""
@@ -312,14 +317,16 @@ class RadixTree:
         stack = [top]
         while stack:
             block = stack.pop()
-            stack.extend(block.children.values())
-            block.children = {}
+            if block.children:
+                stack.extend(block.children.values())
+                block.children.clear()
             block.in_tree = False
-            for group, page in enumerate(block.pages):
-                if page is not None:
-                    page.block = None
-                    block.pages[group] = None
-                    orphans.append(page)
+            if any(block.pages):
+                for group, page in enumerate(block.pages):
+                    if page is not None:
+                        page.block = None
+                        block.pages[group] = None
+                        orphans.append(page)
 
     def _unlink(self, block: Block) -> None:
         parent = block.parent
@@ -330,7 +337,7 @@ class RadixTree:
 
     def _prune_upwards(self, block: Block) -> None:
         """Remove childless blocks that hold no page in any layer group, up to the root."""
-        while not block.children and all(page is None for page in block.pages):
+        while not block.children and not any(block.pages):
             parent = block.parent
             if parent is None:
                 if self.roots.get(block.key) is block:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from kvpool.errors import CorruptedError, OutOfPagesError
 from kvpool.eviction import EvictionQueue
@@ -21,14 +20,21 @@ from kvpool.storage.memory import Bytes
 from kvpool.storage.pools import LevelStorage
 
 
-@dataclass
 class _Plan:
     """Steps that free slots, in the order to carry them out (coldest level first), and how
     many slots are then free at the level planned for."""
 
-    free: int
-    drops: list[Page] = field(default_factory=list)
-    moves: list[tuple[int, list[Page]]] = field(default_factory=list)  # (from level, pages)
+    __slots__ = ("drops", "free", "moves")
+
+    def __init__(
+        self,
+        free: int,
+        drops: list[Page] | None = None,
+        moves: list[tuple[int, list[Page]]] | None = None,  # (from level, pages)
+    ) -> None:
+        self.free = free
+        self.drops = [] if drops is None else drops
+        self.moves = [] if moves is None else moves
 
 
 class StorageManager:
@@ -73,6 +79,20 @@ class StorageManager:
             or self._plan(level, pool_group, count, count) is not None
             for pool_group, count in enumerate(counts)
         )
+
+    def reserve(self, level: int, counts: Sequence[int]) -> bool:
+        """Make `counts[pg]` slots free per pool group at `level` (by cascading eviction), or
+        return False with nothing changed."""
+        plans = []
+        for pool_group, count in enumerate(counts):
+            if count > self.levels[level].pool_groups[pool_group].allocator.num_free_slots:
+                plan = self._plan(level, pool_group, count, count)
+                if plan is None:
+                    return False
+                plans.append(plan)
+        for plan in plans:
+            self._execute(plan)
+        return True
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -130,7 +150,7 @@ class StorageManager:
         down while there is room (the most valuable first) and are dropped otherwise."""
         if level == self.last_level:
             # Held pages are never queued at the last level: every victim can be dropped.
-            return _Plan(free=len(victims), drops=list(victims))
+            return _Plan(len(victims), victims)
         held = [page for page in victims if page.holds]
         droppable = [page for page in victims if not page.holds]
         below = self._plan(level + 1, pool_group, len(victims), len(held))
