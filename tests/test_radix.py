@@ -90,7 +90,7 @@ def build_chain(tree, layout, allocator, length, groups):
     for i in range(length):
         tokens = tuple(range(i * tpb, (i + 1) * tpb))
         block, orphans = tree.insert(parent, block_key(parent.key, tokens), tokens)
-        assert orphans == []
+        assert not orphans
         for group in groups:
             tree.attach(block, make_page(allocator, group, layout))
         blocks.append(block)
@@ -143,10 +143,8 @@ def test_longer_block_replaces_a_partial_sibling():
     partial, _ = tree.insert(root, block_key(root.key, partial_tokens), partial_tokens)
     tree.attach(partial, make_page(allocator, 0, layout))
     # A shorter partial covered by it is useless.
-    assert tree.insert(root, block_key(root.key, partial_tokens[:3]), partial_tokens[:3]) == (
-        None,
-        [],
-    )
+    useless, orphans = tree.insert(root, block_key(root.key, partial_tokens[:3]), partial_tokens[:3])
+    assert useless is None and not orphans
     full_tokens = tuple(range(16))
     full, orphans = tree.insert(root, block_key(root.key, full_tokens), full_tokens)
     assert full is not None and not partial.in_tree

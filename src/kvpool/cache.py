@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from hashlib import sha256
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -422,17 +423,16 @@ class KVCache:
         tail, data, tpb = self._tail, self._tail_bytes, self._tpb
         num_full = len(tail) // tpb
         first = (self._committed - len(tail)) // tpb
+        exact = len(tail) == tpb * num_full  # the last block ends the commit (SSM snapshot)
         for number in range(num_full):
             start = number * tpb
             block_tokens = tuple(tail[start : start + tpb])
             if data is not None:
-                block_bytes = bytes(data[4 * start : 4 * (start + tpb)])
+                key = sha256(self._prev_key + data[4 * start : 4 * (start + tpb)]).digest()
             else:
-                block_bytes = encode_tokens(block_tokens)
-            last = number == num_full - 1
-            self._commit_block(
-                first + number, block_tokens, block_bytes, snapshot=last and len(tail) == tpb * num_full
-            )
+                key = block_key_of_encoded(self._prev_key, encode_tokens(block_tokens))
+            self._prev_key = key
+            self._commit_block(first + number, block_tokens, key, exact and number == num_full - 1)
         del tail[: num_full * tpb]
         if not tail:
             self._tail_bytes = bytearray()  # a digest token only affects its own block
@@ -446,50 +446,54 @@ class KVCache:
             return
         if self._tail:
             tokens = tuple(self._tail)
-            self._commit_block(
-                self._committed // self._tpb, tokens, encode_tokens(tokens), snapshot=True
-            )
+            key = block_key_of_encoded(self._prev_key, encode_tokens(tokens))
+            self._commit_block(self._committed // self._tpb, tokens, key, snapshot=True)
         self._committing = False
         self._after_call()
 
     def _commit_block(
-        self, index: int, tokens: tuple[Token, ...], encoded: bytes, snapshot: bool
+        self, index: int, tokens: tuple[Token, ...], key: bytes, snapshot: bool
     ) -> None:
-        """Insert block `index` (full, or the partial tail) under the previous committed block."""
-        key = block_key_of_encoded(self._prev_key, encoded)
-        full = len(tokens) == self._tpb
-        if full:
-            self._prev_key = key
+        """Insert block `index` (full, or the partial tail) with `key` under the previous
+        committed block."""
         parent = self._parent
-        if parent is not None and parent.is_root and not parent.in_tree:
-            parent = self._ctx.tree.root(parent.key)  # the scope's root was pruned meanwhile
-        if parent is None or not parent.in_tree:
-            self._parent = None  # an earlier block could not be inserted: stop sharing
-            return
-        tree, storage = self._ctx.tree, self._ctx.storage
+        if parent is None:
+            return  # an earlier block could not be inserted: no more sharing
+        tree = self._ctx.tree
+        if not parent.in_tree:
+            if parent.parent is not None:
+                self._parent = None
+                return
+            parent = tree.root(parent.key)  # the scope's root was pruned meanwhile
+        storage = self._ctx.storage
         block, orphans = tree.insert(parent, key, tokens)
         for orphan in orphans:
             storage.settle(orphan)
+        full = len(tokens) == self._tpb
         if full:
             self._parent = block
         if block is None:
             return
-        for g, _ in self._attention:
-            page = self._pages[g][index] if index < len(self._pages[g]) else None
+        block_pages = block.pages
+        for g in self._attention_groups:
+            pages = self._pages[g]
+            page = pages[index] if index < len(pages) else None
             if page is None or page.block is not None:
                 continue
-            existing = block.pages[g]
+            existing = block_pages[g]
             if existing is None:
-                page.priority = self._priority(block.ordinal, g)
+                if self._priority_callback is not None:
+                    page.priority = self._priority(block.ordinal, g)
                 tree.attach(block, page)
-                storage.settle(page)
+                if not page.locks:
+                    storage.settle(page)
             elif full and existing.level == GPU_LEVEL:
                 self._acquire(existing)  # one copy of the KV, not two
                 self._set_page(g, index, existing)
                 self._release(page)
             elif full and not existing.locks and not existing.holds:
                 # The tree's copy is colder and unused: ours (on the GPU) replaces it.
-                self._ctx.tree.detach(existing)
+                tree.detach(existing)
                 storage.settle(existing)
                 page.priority = existing.priority
                 tree.attach(block, page)
@@ -497,7 +501,7 @@ class KVCache:
         if snapshot:
             for g in self._ssm:
                 live = self._pages[g][0]
-                if live is not None and block.pages[g] is None:
+                if live is not None and block_pages[g] is None:
                     self._snapshot(block, g, live)
 
     def _snapshot(self, block: Block, g: int, live: Page) -> None:

@@ -107,6 +107,9 @@ def block_key_of_encoded(previous_key: bytes, encoded: bytes) -> bytes:
     return hashlib.sha256(previous_key + encoded).digest()
 
 
+_NO_PAGES: tuple[Page, ...] = ()  # "no orphans", without a new list per insert
+
+
 class Block:
     """One committed block: full (`tokens_per_block` tokens) or a partial tail (fewer, a leaf).
 
@@ -240,7 +243,7 @@ class RadixTree:
 
     def insert(
         self, parent: Block, key: bytes, tokens: tuple[Token, ...]
-    ) -> tuple[Block | None, list[Page]]:
+    ) -> tuple[Block | None, Sequence[Page]]:
         """Add a block under `parent`; returns it (or the existing block with that key) and the
         pages orphaned on the way.
 
@@ -249,17 +252,19 @@ class RadixTree:
         """
         existing = parent.children.get(key)
         if existing is not None:
-            return existing, []
+            return existing, _NO_PAGES
         partial = len(tokens) < self.layout.tokens_per_block
         if partial and len(parent.children) <= MAX_CHILDREN_SCANNED:
             for child in parent.children.values():
                 if child.tokens[: len(tokens)] == tokens:
-                    return None, []
-        orphans: list[Page] = []
+                    return None, _NO_PAGES
+        orphans: Sequence[Page] = _NO_PAGES
         if parent.num_partial_children:
+            removed: list[Page] = []
             for child in list(parent.children.values()):
                 if child.num_tokens < len(tokens) and tokens[: child.num_tokens] == child.tokens:
-                    self._remove_subtree(child, orphans)
+                    self._remove_subtree(child, removed)
+            orphans = removed
         block = Block(key, parent, tokens, self.layout.num_layer_groups)
         parent.children[key] = block
         if partial:
