@@ -177,3 +177,24 @@ def test_eviction_queue_orders_by_priority_then_age():
     assert list(queue) == [pages[3], extra, pages[0], pages[2], pages[4]]
     assert [queue.pop() for _ in range(5)] == [pages[3], extra, pages[0], pages[2], pages[4]]
     assert len(queue) == 0 and not any(p.queued for p in pages)
+
+
+@pytest.mark.parametrize("digest_at", [None, 3, 70, 200])
+def test_match_agrees_with_the_plain_key_chain(digest_at):
+    """The walk encodes tokens in doubling chunks; with a digest token anywhere (not 4 bytes)
+    it falls back to one block at a time. Either way it finds the blocks of the plain chain."""
+    layout = KVLayout([kv_layer(0)], 16)
+    tree, allocator = RadixTree(layout), SlotAllocator(1000)
+    tokens: list = list(range(1000, 1000 + 16 * 300))
+    if digest_at is not None:
+        tokens[digest_at * 16 + 5] = bytes(range(32))
+    node, key = tree.root(root_key(None)), root_key(None)
+    for start in range(0, 16 * 250, 16):  # the first 250 blocks are in the tree
+        key = block_key(key, tokens[start : start + 16])
+        node, _ = tree.insert(node, key, tuple(tokens[start : start + 16]))
+        tree.attach(node, make_page(allocator, 0, layout))
+    for length in (15, 16, 16 * 5 + 3, 16 * 64, 16 * 65, 16 * 250, 16 * 300):
+        match = tree.match(root_key(None), tokens[:length], partial=False)
+        assert match.num_tokens == min(length // 16, 250) * 16
+    other = [*tokens[: 16 * 100], *range(7, 7 + 16 * 10)]
+    assert tree.match(root_key(None), other, partial=False).num_tokens == 16 * 100

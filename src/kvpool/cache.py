@@ -545,15 +545,13 @@ class KVCache:
         for g, lc in self._attention:
             beg, end = lc.stale_range(length, tpb)
             self._table.resize(g, num_blocks)
-            for index in range(num_blocks):
-                if beg <= index < end:
-                    continue
-                page = match.blocks[index].pages[g]
-                assert page is not None, "match pruning guarantees the page"
-                storage.hold(page)
-                if partial and index == num_blocks - 1:
-                    self._deferred.append((g, index, page))
-                self._table.set(g, index, page)
+            indices = [index for index in range(num_blocks) if not beg <= index < end]
+            pages = [match.blocks[index].pages[g] for index in indices]
+            assert None not in pages, "match pruning guarantees the pages"
+            storage.hold_all(pages)  # type: ignore[arg-type]
+            if partial and indices and indices[-1] == num_blocks - 1:
+                self._deferred.append((g, num_blocks - 1, pages[-1]))  # type: ignore[arg-type]
+            self._table.set_many(g, indices, pages)  # type: ignore[arg-type]
             self._released_end[g] = end
         for g in self._ssm:
             snapshot = match.blocks[num_blocks - 1].pages[g]

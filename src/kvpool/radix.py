@@ -12,6 +12,7 @@ removes what became unreachable and returns the pages that lost their block.
 from __future__ import annotations
 
 import hashlib
+from hashlib import sha256
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -203,8 +204,20 @@ class RadixTree:
         tpb = self.layout.tokens_per_block
         blocks: list[Block] = []
         key = scope_key
+        # Tokens are encoded in chunks that double (4 blocks, 8, ...): one encoding call per
+        # chunk, and at most about twice the matched length encoded. With digest tokens (not
+        # 4 bytes each) every block is encoded on its own.
+        data, data_start, chunk, chunked = b"", 0, 4 * tpb, True
         for start in range(0, len(tokens) - tpb + 1, tpb):
-            key = block_key(key, tokens[start : start + tpb])
+            if chunked and start + tpb > data_start + len(data) // 4:
+                part = tokens[start : start + chunk]
+                data_start, data, chunk = start, encode_tokens(part), 2 * chunk
+                chunked = len(data) == 4 * len(part)
+            if chunked:
+                offset = 4 * (start - data_start)
+                key = sha256(key + data[offset : offset + 4 * tpb]).digest()
+            else:
+                key = block_key(key, tokens[start : start + tpb])
             child = node.children.get(key)
             if child is None:
                 break

@@ -475,6 +475,12 @@ class StorageManager:
         if not page.locks:
             self.settle(page)
 
+    def hold_all(self, pages: Iterable[Page]) -> None:
+        for page in pages:
+            page.holds += 1
+            if not page.locks:
+                self.settle(page)
+
     def unhold(self, page: Page) -> None:
         assert page.holds > 0, page
         page.holds -= 1
