@@ -312,7 +312,13 @@ class RadixTree:
         if block.ordinal < self._anchor_blocks[page.layer_group]:
             parent = block.parent
             orphans: list[Page] = []
-            self._remove_subtree(block, orphans)
+            if block.children or any(block.pages):
+                self._remove_subtree(block, orphans)
+            elif parent is not None:  # a leaf with nothing left: just unlink it
+                self._unlink(block)
+                block.in_tree = False
+            else:
+                self._remove_subtree(block, orphans)
             if parent is not None:
                 self._prune_upwards(parent)
             return orphans

@@ -1,0 +1,115 @@
+"""kvpool against vLLM v1 and SGLang on the same seeded workloads, in one invocation.
+
+Builds the peers' virtual environment if needed (../shared/bench/peers/setup.sh, ~4 min once),
+runs their harness (peer_bench.py, in that environment) and benchmarks/bench_manager.py (in this
+one) with the same sizes and number of runs, and prints the ratios kvpool / peer of the medians:
+below 1 means kvpool is faster. (b) also checks that kvpool's prefix hit tokens equal vLLM's.
+
+Run: python benchmarks/compare_peers.py [--runs 3] [--quick] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_PEERS = HERE.parents[1] / "shared" / "bench" / "peers"
+
+
+def run_json(command: list[str], out: Path) -> dict[str, Any]:
+    print("$", " ".join(command), file=sys.stderr, flush=True)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def ratio(ours: float, theirs: float | None) -> str:
+    return f"{ours / theirs:.2f}" if theirs else "-"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="1 run, 200 requests, 100 cycles")
+    parser.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS)
+    parser.add_argument("--peer-python", default="/tmp/peervenv/bin/python")
+    parser.add_argument("--no-setup", action="store_true", help="do not run the peers' setup.sh")
+    parser.add_argument("--out", help="also write every figure here (JSON)")
+    args = parser.parse_args()
+    runs, requests, iterations = (1, 200, 100) if args.quick else (args.runs, 2000, 1000)
+    if not args.no_setup:
+        subprocess.run(["bash", str(args.peers_dir / "setup.sh")], check=True)
+    sizes = ["--num-requests", str(requests), "--churn-iters", str(iterations)]
+    with tempfile.TemporaryDirectory() as tmp:
+        peers = run_json(
+            [
+                args.peer_python,
+                str(args.peers_dir / "peer_bench.py"),
+                "--runs",
+                str(runs),
+                *sizes,
+                "--out",
+                f"{tmp}/peers.json",
+            ],
+            Path(tmp) / "peers.json",
+        )
+        ours = run_json(
+            [
+                sys.executable,
+                str(HERE / "bench_manager.py"),
+                "--runs",
+                str(runs),
+                "--layouts",
+                "full,hybrid,tiers",
+                "--peers-dir",
+                str(args.peers_dir),
+                *sizes,
+                "--out",
+                f"{tmp}/kvpool.json",
+            ],
+            Path(tmp) / "kvpool.json",
+        )
+    kv = ours["medians"]
+    vllm = peers["results"].get("vllm", {})
+    sglang = peers["results"].get("sglang", {})
+    lines = [f"medians of {runs} run(s); ratio = kvpool / peer (below 1: kvpool is faster)", ""]
+    lines.append("(a) allocate N blocks + free them, us per cycle")
+    lines.append(f"{'N':>6} {'kvpool':>9} {'vLLM':>9} {'ratio':>6} {'SGLang':>9} {'ratio':>6}")
+    for n, result in kv["a"].items():
+        theirs = vllm.get("a", {}).get(n, {}).get("cycle_us")
+        sgl = sglang.get("a", {}).get(n, {}).get("cycle_us")
+        lines.append(
+            f"{n:>6} {result['cycle_us']:9.2f} {theirs or 0:9.2f} {ratio(result['cycle_us'], theirs):>6}"
+            f" {sgl or 0:9.2f} {ratio(result['cycle_us'], sgl):>6}"
+        )
+    lines.append("")
+    lines.append("(b) scheduler cycle: total seconds, us per request-step, prefix hit tokens")
+    for name, result in [("vLLM", vllm.get("b")), ("SGLang", sglang.get("b"))]:
+        if result:
+            lines.append(
+                f"{name:>14} {result['total_wall_s']:7.3f} s {result['us_per_step_per_request']:7.2f} us"
+                f" {result['prefix_hit_tokens']:>10,}"
+            )
+    for key, label in [("b", "kvpool"), ("b_hybrid", "kvpool hybrid"), ("b_tiers", "kvpool tiers")]:
+        result = kv[key]
+        lines.append(
+            f"{label:>14} {result['total_wall_s']:7.3f} s {result['us_per_step_per_request']:7.2f} us"
+            f" {result['prefix_hit_tokens']:>10,}"
+            f"   vs vLLM {ratio(result['total_wall_s'], vllm.get('b', {}).get('total_wall_s'))}"
+            f"  vs SGLang {ratio(result['total_wall_s'], sglang.get('b', {}).get('total_wall_s'))}"
+            f"  vs kvpool full {ratio(result['total_wall_s'], kv['b']['total_wall_s'])}"
+        )
+    same = vllm.get("b", {}).get("prefix_hit_tokens") == kv["b"]["prefix_hit_tokens"]
+    lines.append(f"hit tokens equal to vLLM's: {same}")
+    print("\n".join(lines))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"peers": peers, "kvpool": ours}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
