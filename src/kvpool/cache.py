@@ -87,6 +87,10 @@ class KVCache:
             (g, lc) for g, lc in enumerate(layout.life_cycles) if isinstance(lc, AttentionLifeCycle)
         ]
         self._attention_groups = [g for g, _ in self._attention]
+        self._attention_pools = [(g, layout.pool_group_of[g]) for g in self._attention_groups]
+        self._attention_per_pool = [0] * layout.num_pool_groups
+        for _, pool_group in self._attention_pools:
+            self._attention_per_pool[pool_group] += 1
         self._windowed = [(g, lc) for g, lc in self._attention if lc.window is not None]
         self._ssm = [
             g for g, lc in enumerate(layout.life_cycles) if not isinstance(lc, AttentionLifeCycle)
@@ -311,9 +315,14 @@ class KVCache:
             unchanged = all(end <= self._released_end[g] for g, (_, end) in stale)
         else:
             stale, unchanged = [], True
-        if new_blocks == old_blocks and unchanged:
-            self._capacity, self._history = capacity, history
-            return True
+        if unchanged:  # nothing leaves a window: the common case, kept short
+            if new_blocks > old_blocks and not self._grow(new_blocks - old_blocks):
+                return False
+            if new_blocks >= old_blocks:
+                self._capacity, self._history = capacity, history
+                if _debug.DEBUG:
+                    self._ctx.check()
+                return True
         layout, storage = self._ctx.layout, self._ctx.storage
         stale_of = dict(stale)
         releases: list[tuple[int, int]] = []
@@ -382,6 +391,15 @@ class KVCache:
         self._capacity, self._history = capacity, history
         if _debug.DEBUG:
             self._ctx.check()
+        return True
+
+    def _grow(self, count: int) -> bool:
+        """Append `count` new blocks to every attention layer group (all or nothing)."""
+        storage = self._ctx.storage
+        if not storage.reserve(GPU_LEVEL, [count * n for n in self._attention_per_pool]):
+            return False
+        for g, pool_group in self._attention_pools:
+            self._table.extend(g, storage.new_pages(GPU_LEVEL, pool_group, g, count, locks=1))
         return True
 
     # -- commit ----------------------------------------------------------------------------------

@@ -44,6 +44,21 @@ class PageTable:
             table[indices] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]
         self.version += 1
 
+    def extend(self, g: int, pages: list[Page]) -> None:
+        """Append blocks to an attention layer group."""
+        page_list = self.pages[g]
+        start = len(page_list)
+        page_list += pages
+        table = self.tables[g]
+        if len(page_list) > table.size:
+            table = self._grow(g, len(page_list))
+        if len(pages) < 8:  # numpy's per-call cost beats a few scalar writes
+            for index, page in enumerate(pages, start):
+                table[index] = page.slot.slot_id  # type: ignore[union-attr]
+        else:
+            table[start : len(page_list)] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]
+        self.version += 1
+
     def clear_all(self, g: int) -> list[Page | None]:
         """Empty one layer group's table; returns its pages (None where a block had none)."""
         pages = self.pages[g]
@@ -68,12 +83,17 @@ class PageTable:
             self.tables[g][num_blocks:old] = BAD_PAGE_INDEX
         else:
             pages.extend([None] * (num_blocks - old))
-            table = self.tables[g]
-            if num_blocks > table.size:
-                grown = np.full(max(num_blocks, 2 * table.size), BAD_PAGE_INDEX, dtype=np.int32)
-                grown[: table.size] = table
-                self.tables[g] = grown
+            if num_blocks > self.tables[g].size:
+                self._grow(g, num_blocks)
         self.version += 1
+
+    def _grow(self, g: int, num_blocks: int) -> npt.NDArray[np.int32]:
+        """Reallocate a table for at least `num_blocks` entries (doubling)."""
+        table = self.tables[g]
+        grown = np.full(max(num_blocks, 2 * table.size), BAD_PAGE_INDEX, dtype=np.int32)
+        grown[: table.size] = table
+        self.tables[g] = grown
+        return grown
 
     def refresh(self) -> None:
         """Rewrite the slot ids from the pages (they change when pages move)."""

@@ -167,6 +167,7 @@ class RadixTree:
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.roots: dict[bytes, Block] = {}
+        self._tokens_per_block = layout.tokens_per_block
         # Per layer group: blocks below this ordinal need its page to stay reusable (every
         # block for full attention, the sink blocks for a window, none for SSM).
         self._anchor_blocks = [
@@ -315,7 +316,9 @@ class RadixTree:
             if block.children or any(block.pages):
                 self._remove_subtree(block, orphans)
             elif parent is not None:  # a leaf with nothing left: just unlink it
-                self._unlink(block)
+                del parent.children[block.key]
+                if len(block.tokens) < self._tokens_per_block:
+                    parent.num_partial_children -= 1
                 block.in_tree = False
             else:
                 self._remove_subtree(block, orphans)

@@ -43,6 +43,7 @@ class StorageManager:
     def __init__(self, levels: Sequence[LevelStorage]) -> None:
         self.levels = list(levels)
         self._last_level = len(self.levels) - 1
+        self.allocators = [[group.allocator for group in level.pool_groups] for level in levels]
         self.queues = [[EvictionQueue() for _ in level.pool_groups] for level in self.levels]
         # The page in each occupied slot, per level and pool group.
         self.pages = [[{} for _ in level.pool_groups] for level in self.levels]  # type: list[list[dict[int, Page]]]
@@ -62,7 +63,7 @@ class StorageManager:
     # -- capacity --------------------------------------------------------------------------------
 
     def num_free(self, level: int, pool_group: int) -> int:
-        return self.levels[level].pool_groups[pool_group].allocator.num_free_slots
+        return self.allocators[level][pool_group].num_free_slots
 
     def num_evictable(self, level: int, pool_group: int) -> int:
         return len(self.queues[level][pool_group])
@@ -84,8 +85,9 @@ class StorageManager:
         """Make `counts[pg]` slots free per pool group at `level` (by cascading eviction), or
         return False with nothing changed."""
         plans = []
+        allocators = self.allocators[level]
         for pool_group, count in enumerate(counts):
-            if count > self.levels[level].pool_groups[pool_group].allocator.num_free_slots:
+            if count > allocators[pool_group].num_free_slots:
                 plan = self._plan(level, pool_group, count, count)
                 if plan is None:
                     return False
@@ -101,7 +103,7 @@ class StorageManager:
     ) -> list[Page]:
         """`count` new pages (evicting if needed), or `OutOfPagesError` and nothing changed.
         With `locks=0` the caller must lock or hold each one at once."""
-        allocator = self.levels[level].pool_groups[pool_group].allocator
+        allocator = self.allocators[level][pool_group]
         if allocator.num_free_slots < count:
             self.make_room(level, pool_group, count)
         pages = [
@@ -234,9 +236,8 @@ class StorageManager:
         return plan
 
     def _execute(self, plan: _Plan) -> None:
-        for page in plan.drops:
-            if page.slot is not None:  # an earlier drop may have orphaned and freed it
-                self._drop(page)
+        if plan.drops:
+            self._drop_all(plan.drops)
         for level, pages in plan.moves:
             alive = [page for page in pages if page.slot is not None and page.level == level]
             self.migrate(alive, level + 1)
@@ -264,6 +265,36 @@ class StorageManager:
         for page in victims[: len(victims) - room]:
             self._drop(page)
         self.migrate(victims[len(victims) - room :], level + 1)
+
+    def _drop_all(self, pages: list[Page]) -> None:
+        """`_drop` each page, freeing their slots in one call per pool group."""
+        orphans: list[Page] = []
+        freed: dict[tuple[int, int], list[Page]] = {}
+        for page in pages:
+            if page.slot is None:
+                continue  # an earlier drop orphaned and freed it
+            assert page.locks == 0 and page.holds == 0, page
+            if page.queued:
+                self.queues[page.level][page.pool_group].remove(page)
+            if page.block is not None:
+                orphans += self.on_drop(page)
+            group = freed.get((page.level, page.pool_group))
+            if group is None:
+                group = freed[page.level, page.pool_group] = []
+            group.append(page)
+        for (level, pool_group), group in freed.items():
+            registry = self.pages[level][pool_group]
+            slots = []
+            for page in group:
+                slot = page.slot
+                assert slot is not None
+                del registry[slot.slot_id]
+                slots.append(slot)
+                page.slot = None
+            self.allocators[level][pool_group].release_multiple(slots)
+            self.num_dropped += len(group)
+        for orphan in orphans:
+            self.settle(orphan)
 
     def _drop(self, page: Page) -> None:
         if page.queued:

@@ -126,9 +126,13 @@ class SlotAllocator:
 
     def allocate_multiple(self, count: int) -> list[Slot]:
         """`count` slots, in `allocate()` order, or `OutOfPagesError` and nothing allocated."""
-        _check_int("count", count, 0, None)
-        if count > self.num_free_slots:
-            raise OutOfPagesError(f"need {count} free slots, only {self.num_free_slots} are free")
+        if type(count) is not int or count < 0:
+            _check_int("count", count, 0, None)
+        if count > len(self._recycled) + len(self._waiting) + self._target - self._num_active:
+            if count > self.num_free_slots:  # (the sum above can undercount during a shrink)
+                raise OutOfPagesError(
+                    f"need {count} free slots, only {self.num_free_slots} are free"
+                )
         return self._take(count)
 
     def _take(self, count: int) -> list[Slot]:
