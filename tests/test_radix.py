@@ -9,7 +9,14 @@ from kvpool.errors import ArgumentError
 from kvpool.eviction import EvictionQueue
 from kvpool.layout import KVLayout
 from kvpool.pages import Page
-from kvpool.radix import RadixTree, block_key, encode_tokens, root_key
+from kvpool.radix import (
+    RadixTree,
+    _common_token_prefix,
+    block_key,
+    decode_tokens,
+    encode_tokens,
+    root_key,
+)
 from kvpool.storage import SlotAllocator
 from tests.helpers import kv_layer, ssm_layer
 
@@ -78,6 +85,11 @@ def test_invalid_tokens(token):
         encode_tokens([1, token, 2])
 
 
+def insert(tree, parent, tokens):
+    """Insert a block of `tokens` under `parent` (its key chained from the parent's)."""
+    return tree.insert(parent, block_key(parent.key, tokens), encode_tokens(tokens), len(tokens))
+
+
 def make_page(allocator, group, layout):
     return Page(allocator.allocate(), 0, layout.pool_group_of[group], group)
 
@@ -89,7 +101,7 @@ def build_chain(tree, layout, allocator, length, groups):
     blocks = []
     for i in range(length):
         tokens = tuple(range(i * tpb, (i + 1) * tpb))
-        block, orphans = tree.insert(parent, block_key(parent.key, tokens), tokens)
+        block, orphans = insert(tree, parent, tokens)
         assert not orphans
         for group in groups:
             tree.attach(block, make_page(allocator, group, layout))
@@ -140,16 +152,16 @@ def test_longer_block_replaces_a_partial_sibling():
     tree, allocator = RadixTree(layout), SlotAllocator(100)
     root = tree.root(root_key(None))
     partial_tokens = tuple(range(5))
-    partial, _ = tree.insert(root, block_key(root.key, partial_tokens), partial_tokens)
+    partial, _ = insert(tree, root, partial_tokens)
     tree.attach(partial, make_page(allocator, 0, layout))
     # A shorter partial covered by it is useless.
-    useless, orphans = tree.insert(root, block_key(root.key, partial_tokens[:3]), partial_tokens[:3])
+    useless, orphans = insert(tree, root, partial_tokens[:3])
     assert useless is None and not orphans
     full_tokens = tuple(range(16))
-    full, orphans = tree.insert(root, block_key(root.key, full_tokens), full_tokens)
+    full, orphans = insert(tree, root, full_tokens)
     assert full is not None and not partial.in_tree
     assert len(orphans) == 1 and orphans[0].block is None
-    assert list(root.children.values()) == [full]
+    assert root.children == [full]
 
 
 def test_clear_removes_everything():
@@ -191,10 +203,41 @@ def test_match_agrees_with_the_plain_key_chain(digest_at):
     node, key = tree.root(root_key(None)), root_key(None)
     for start in range(0, 16 * 250, 16):  # the first 250 blocks are in the tree
         key = block_key(key, tokens[start : start + 16])
-        node, _ = tree.insert(node, key, tuple(tokens[start : start + 16]))
+        node, _ = insert(tree, node, tokens[start : start + 16])
         tree.attach(node, make_page(allocator, 0, layout))
     for length in (15, 16, 16 * 5 + 3, 16 * 64, 16 * 65, 16 * 250, 16 * 300):
         match = tree.match(root_key(None), tokens[:length], partial=False)
         assert match.num_tokens == min(length // 16, 250) * 16
     other = [*tokens[: 16 * 100], *range(7, 7 + 16 * 10)]
     assert tree.match(root_key(None), other, partial=False).num_tokens == 16 * 100
+
+
+def test_children_switch_between_one_inline_child_and_a_dict():
+    layout = KVLayout([kv_layer(0)], 16)
+    tree, allocator = RadixTree(layout), SlotAllocator(100)
+    root = tree.root(root_key(None))
+    first, _ = insert(tree, root, tuple(range(16)))
+    assert root.kids is first  # one child: no dict
+    blocks = [first] + [insert(tree, root, tuple(range(k, k + 16)))[0] for k in (100, 200)]
+    assert isinstance(root.kids, dict) and root.children == blocks
+    for block in blocks:
+        tree.attach(block, make_page(allocator, 0, layout))
+    for block in blocks[:2]:  # dropping a leaf's only page prunes it
+        tree.remove_page(block.pages[0])
+    assert root.kids is blocks[2] and not blocks[0].in_tree
+    assert root.child(blocks[2].key) is blocks[2] and root.child(blocks[0].key) is None
+    match = tree.match(root_key(None), list(range(200, 216)) + [5], partial=False)
+    assert match.blocks == [blocks[2]] and match.num_tokens == 16
+
+
+def test_encoded_tokens_decode_and_compare_by_token():
+    digest = bytes(range(32))
+    tokens = (7, digest, 2**31 - 1, 0)
+    assert decode_tokens(encode_tokens(tokens)) == tokens
+    assert decode_tokens(encode_tokens(range(5))) == (0, 1, 2, 3, 4)
+    common = _common_token_prefix
+    assert common(encode_tokens([1, 2, 3]), encode_tokens([1, 2, 4])) == 2
+    assert common(encode_tokens([1, 2, 3]), encode_tokens([1, 2 + 256, 3])) == 1
+    assert common(encode_tokens([1, digest, 3]), encode_tokens([1, digest, 4])) == 2
+    other = bytes([0] * 31 + [1])
+    assert common(encode_tokens([1, digest, 3]), encode_tokens([1, other])) == 1

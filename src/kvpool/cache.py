@@ -444,13 +444,15 @@ class KVCache:
         exact = len(tail) == tpb * num_full  # the last block ends the commit (SSM snapshot)
         for number in range(num_full):
             start = number * tpb
-            block_tokens = tuple(tail[start : start + tpb])
             if data is not None:
-                key = sha256(self._prev_key + data[4 * start : 4 * (start + tpb)]).digest()
+                block_data = bytes(data[4 * start : 4 * (start + tpb)])
             else:
-                key = block_key_of_encoded(self._prev_key, encode_tokens(block_tokens))
+                block_data = encode_tokens(tail[start : start + tpb])
+            key = sha256(self._prev_key + block_data).digest()
             self._prev_key = key
-            self._commit_block(first + number, block_tokens, key, exact and number == num_full - 1)
+            self._commit_block(
+                first + number, block_data, tpb, key, exact and number == num_full - 1
+            )
         del tail[: num_full * tpb]
         if not tail:
             self._tail_bytes = bytearray()  # a digest token only affects its own block
@@ -463,17 +465,19 @@ class KVCache:
         if not self._committing:
             return
         if self._tail:
-            tokens = tuple(self._tail)
-            key = block_key_of_encoded(self._prev_key, encode_tokens(tokens))
-            self._commit_block(self._committed // self._tpb, tokens, key, snapshot=True)
+            data = encode_tokens(self._tail)
+            key = block_key_of_encoded(self._prev_key, data)
+            self._commit_block(
+                self._committed // self._tpb, data, len(self._tail), key, snapshot=True
+            )
         self._committing = False
         self._after_call()
 
     def _commit_block(
-        self, index: int, tokens: tuple[Token, ...], key: bytes, snapshot: bool
+        self, index: int, data: bytes, num_tokens: int, key: bytes, snapshot: bool
     ) -> None:
-        """Insert block `index` (full, or the partial tail) with `key` under the previous
-        committed block."""
+        """Insert block `index` (full, or the partial tail: `num_tokens` tokens encoded as
+        `data`) with `key` under the previous committed block."""
         parent = self._parent
         if parent is None:
             return  # an earlier block could not be inserted: no more sharing
@@ -484,10 +488,10 @@ class KVCache:
                 return
             parent = tree.root(parent.key)  # the scope's root was pruned meanwhile
         storage = self._ctx.storage
-        block, orphans = tree.insert(parent, key, tokens)
+        block, orphans = tree.insert(parent, key, data, num_tokens)
         for orphan in orphans:
             storage.settle(orphan)
-        full = len(tokens) == self._tpb
+        full = num_tokens == self._tpb
         if full:
             self._parent = block
         if block is None:

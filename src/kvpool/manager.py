@@ -452,7 +452,7 @@ class KVCacheManager:
                     holds[id(page)] = holds.get(id(page), 0) + 1
         tpb = self.layout.tokens_per_block
         for block in [*tree.roots.values(), *tree.blocks()]:
-            partial = sum(1 for child in block.children.values() if child.num_tokens < tpb)
+            partial = sum(1 for child in block.children if child.num_tokens < tpb)
             if partial != block.num_partial_children:
                 problems.append(
                     f"{block}: counts {block.num_partial_children} partial children, has {partial}"
@@ -461,7 +461,7 @@ class KVCacheManager:
             if (
                 not block.in_tree
                 or block.parent is None
-                or block.parent.children.get(block.key) is not block
+                or block.parent.child(block.key) is not block
             ):
                 problems.append(f"{block}: broken parent link")
             for g, page in enumerate(block.pages):

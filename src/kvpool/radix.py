@@ -115,27 +115,37 @@ class Block:
     """One committed block: full (`tokens_per_block` tokens) or a partial tail (fewer, a leaf).
 
     `pages[g]` is the block's page for layer group `g`, or None (never stored, or dropped).
+    `data` is the block's tokens as `encode_tokens` writes them (bytes: nothing for the garbage
+    collector to track). `kids` is None for a leaf, the child itself when there is one (most
+    blocks of a chain), or a dict key -> child when there are several.
     """
 
     __slots__ = (
-        "children",
+        "data",
         "in_tree",
         "key",
+        "kids",
         "num_partial_children",
+        "num_tokens",
         "ordinal",
         "pages",
         "parent",
-        "tokens",
     )
 
     def __init__(
-        self, key: bytes, parent: Block | None, tokens: tuple[Token, ...], num_layer_groups: int
+        self,
+        key: bytes,
+        parent: Block | None,
+        data: bytes,
+        num_tokens: int,
+        num_layer_groups: int,
     ) -> None:
         self.key = key
         self.parent = parent
-        self.tokens = tokens
+        self.data = data
+        self.num_tokens = num_tokens
         self.ordinal: int = -1 if parent is None else parent.ordinal + 1
-        self.children: dict[bytes, Block] = {}
+        self.kids: Block | dict[bytes, Block] | None = None
         self.num_partial_children = 0  # children with fewer tokens than a block
         self.pages: list[Page | None] = [None] * num_layer_groups
         self.in_tree = True
@@ -144,12 +154,84 @@ class Block:
     def is_root(self) -> bool:
         return self.parent is None
 
+    def child(self, key: bytes) -> Block | None:
+        kids = self.kids
+        if kids is None or type(kids) is dict:
+            return None if kids is None else kids.get(key)
+        return kids if kids.key == key else None  # type: ignore[union-attr]
+
     @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
+    def children(self) -> list[Block]:
+        kids = self.kids
+        if kids is None:
+            return []
+        return list(kids.values()) if type(kids) is dict else [kids]  # type: ignore[list-item,union-attr]
+
+    @property
+    def tokens(self) -> tuple[Token, ...]:
+        """The block's tokens, decoded from `data` (for introspection)."""
+        return decode_tokens(self.data)
 
     def __repr__(self) -> str:
-        return f"Block(ordinal {self.ordinal}, {len(self.tokens)} tokens, {len(self.children)} children)"
+        return (
+            f"Block(ordinal {self.ordinal}, {self.num_tokens} tokens, "
+            f"{len(self.children)} children)"
+        )
+
+
+def _add_child(parent: Block, block: Block) -> None:
+    kids = parent.kids
+    if kids is None:
+        parent.kids = block
+    elif type(kids) is dict:
+        kids[block.key] = block
+    else:
+        parent.kids = {kids.key: kids, block.key: block}  # type: ignore[union-attr]
+
+
+def _remove_child(parent: Block, block: Block) -> None:
+    kids = parent.kids
+    if kids is block:
+        parent.kids = None
+        return
+    assert type(kids) is dict and kids[block.key] is block
+    del kids[block.key]
+    if len(kids) == 1:
+        (parent.kids,) = kids.values()
+
+
+def decode_tokens(data: bytes) -> tuple[Token, ...]:
+    """The inverse of `encode_tokens`."""
+    if _DIGEST_MARKER not in data:
+        return struct.unpack(f"<{len(data) // 4}i", data)
+    tokens: list[Token] = []
+    position = 0
+    while position < len(data):
+        if data[position : position + 4] == _DIGEST_MARKER:
+            tokens.append(bytes(data[position + 4 : position + 4 + DIGEST_BYTES]))
+            position += 4 + DIGEST_BYTES
+        else:
+            tokens.append(int.from_bytes(data[position : position + 4], "little"))
+            position += 4
+    return tuple(tokens)
+
+
+def _common_token_prefix(a: bytes, b: bytes) -> int:
+    """How many leading tokens two encoded token strings share."""
+    size = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        size += 1
+    if _DIGEST_MARKER not in a[:size]:
+        return size // 4
+    count = position = 0
+    while True:
+        width = 4 + DIGEST_BYTES if a[position : position + 4] == _DIGEST_MARKER else 4
+        if position + width > size:
+            return count
+        position += width
+        count += 1
 
 
 @dataclass
@@ -168,6 +250,7 @@ class RadixTree:
         self.layout = layout
         self.roots: dict[bytes, Block] = {}
         self._tokens_per_block = layout.tokens_per_block
+        self._num_layer_groups = layout.num_layer_groups
         # Per layer group: blocks below this ordinal need its page to stay reusable (every
         # block for full attention, the sink blocks for a window, none for SSM).
         self._anchor_blocks = [
@@ -181,7 +264,7 @@ class RadixTree:
         """The root of a scope (created on first use; removed again when it has no children)."""
         node = self.roots.get(key)
         if node is None:
-            node = self.roots[key] = Block(key, None, (), self.layout.num_layer_groups)
+            node = self.roots[key] = Block(key, None, b"", 0, self._num_layer_groups)
         return node
 
     # -- lookup ----------------------------------------------------------------------------------
@@ -219,17 +302,26 @@ class RadixTree:
                 key = sha256(key + data[offset : offset + 4 * tpb]).digest()
             else:
                 key = block_key(key, tokens[start : start + tpb])
-            child = node.children.get(key)
-            if child is None:
+            kids = node.kids
+            if kids is None:
+                break
+            if type(kids) is dict:
+                child = kids.get(key)
+                if child is None:
+                    break
+            elif kids.key == key:  # type: ignore[union-attr]
+                child = kids  # type: ignore[assignment]
+            else:
                 break
             blocks.append(child)
             node = child
         matched = len(blocks) * tpb
-        if partial and node.children and len(node.children) <= MAX_CHILDREN_SCANNED:
-            rest = tuple(tokens[matched : matched + tpb])
+        children = node.children if partial else []
+        if children and len(children) <= MAX_CHILDREN_SCANNED:
+            rest = encode_tokens(tokens[matched : matched + tpb])
             best, best_len = None, 0
-            for child in node.children.values():
-                n = _common_prefix(child.tokens, rest)
+            for child in children:
+                n = _common_token_prefix(child.data, rest)
                 if n > best_len:
                     best, best_len = child, n
             if best is not None:
@@ -256,31 +348,33 @@ class RadixTree:
     # -- insertion -------------------------------------------------------------------------------
 
     def insert(
-        self, parent: Block, key: bytes, tokens: tuple[Token, ...]
+        self, parent: Block, key: bytes, data: bytes, num_tokens: int
     ) -> tuple[Block | None, Sequence[Page]]:
-        """Add a block under `parent`; returns it (or the existing block with that key) and the
-        pages orphaned on the way.
+        """Add a block of `num_tokens` tokens encoded as `data` under `parent`; returns it (or
+        the existing block with that key) and the pages orphaned on the way.
 
         A partial block whose tokens start a sibling's tokens is useless (None is returned). A
         new block replaces the partial siblings whose tokens it extends.
         """
-        existing = parent.children.get(key)
+        existing = parent.child(key)
         if existing is not None:
             return existing, _NO_PAGES
-        partial = len(tokens) < self.layout.tokens_per_block
-        if partial and len(parent.children) <= MAX_CHILDREN_SCANNED:
-            for child in parent.children.values():
-                if child.tokens[: len(tokens)] == tokens:
-                    return None, _NO_PAGES
+        partial = num_tokens < self._tokens_per_block
+        if partial:
+            siblings = parent.children
+            if len(siblings) <= MAX_CHILDREN_SCANNED:
+                for child in siblings:
+                    if child.data.startswith(data):
+                        return None, _NO_PAGES
         orphans: Sequence[Page] = _NO_PAGES
         if parent.num_partial_children:
             removed: list[Page] = []
-            for child in list(parent.children.values()):
-                if child.num_tokens < len(tokens) and tokens[: child.num_tokens] == child.tokens:
+            for child in parent.children:
+                if child.num_tokens < num_tokens and data.startswith(child.data):
                     self._remove_subtree(child, removed)
             orphans = removed
-        block = Block(key, parent, tokens, self.layout.num_layer_groups)
-        parent.children[key] = block
+        block = Block(key, parent, data, num_tokens, self._num_layer_groups)
+        _add_child(parent, block)
         if partial:
             parent.num_partial_children += 1
         return block, orphans
@@ -313,12 +407,10 @@ class RadixTree:
         if block.ordinal < self._anchor_blocks[page.layer_group]:
             parent = block.parent
             orphans: list[Page] = []
-            if block.children or any(block.pages):
+            if block.kids is not None or any(block.pages):
                 self._remove_subtree(block, orphans)
             elif parent is not None:  # a leaf with nothing left: just unlink it
-                del parent.children[block.key]
-                if len(block.tokens) < self._tokens_per_block:
-                    parent.num_partial_children -= 1
+                self._unlink(block)
                 block.in_tree = False
             else:
                 self._remove_subtree(block, orphans)
@@ -344,9 +436,9 @@ class RadixTree:
         stack = [top]
         while stack:
             block = stack.pop()
-            if block.children:
-                stack.extend(block.children.values())
-                block.children.clear()
+            if block.kids is not None:
+                stack.extend(block.children)
+                block.kids = None
             block.in_tree = False
             if any(block.pages):
                 for group, page in enumerate(block.pages):
@@ -358,13 +450,13 @@ class RadixTree:
     def _unlink(self, block: Block) -> None:
         parent = block.parent
         assert parent is not None
-        del parent.children[block.key]
-        if block.num_tokens < self.layout.tokens_per_block:
+        _remove_child(parent, block)
+        if block.num_tokens < self._tokens_per_block:
             parent.num_partial_children -= 1
 
     def _prune_upwards(self, block: Block) -> None:
         """Remove childless blocks that hold no page in any layer group, up to the root."""
-        while not block.children and not any(block.pages):
+        while block.kids is None and not any(block.pages):
             parent = block.parent
             if parent is None:
                 if self.roots.get(block.key) is block:
@@ -382,18 +474,9 @@ class RadixTree:
         stack = list(self.roots.values())
         while stack:
             block = stack.pop()
-            stack.extend(block.children.values())
+            stack.extend(block.children)
             if not block.is_root:
                 yield block
-
-
-def _common_prefix(a: Sequence[Token], b: Sequence[Token]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _attention_endpoint(
