@@ -441,23 +441,88 @@ class KVCache:
         tail, data, tpb = self._tail, self._tail_bytes, self._tpb
         num_full = len(tail) // tpb
         first = (self._committed - len(tail)) // tpb
-        exact = len(tail) == tpb * num_full  # the last block ends the commit (SSM snapshot)
-        for number in range(num_full):
-            start = number * tpb
+        keys, datas = [], []
+        key = self._prev_key
+        for start in range(0, num_full * tpb, tpb):
             if data is not None:
                 block_data = bytes(data[4 * start : 4 * (start + tpb)])
             else:
                 block_data = encode_tokens(tail[start : start + tpb])
-            key = sha256(self._prev_key + block_data).digest()
-            self._prev_key = key
-            self._commit_block(
-                first + number, block_data, tpb, key, exact and number == num_full - 1
-            )
+            key = sha256(key + block_data).digest()
+            keys.append(key)
+            datas.append(block_data)
+        self._prev_key = key
+        exact = len(tail) == tpb * num_full  # the last block ends the commit (SSM snapshot)
         del tail[: num_full * tpb]
         if not tail:
             self._tail_bytes = bytearray()  # a digest token only affects its own block
         elif data is not None:
             del data[: 4 * num_full * tpb]
+        parent = self._insertion_parent()
+        if parent is None:
+            return
+        blocks, orphans = self._ctx.tree.insert_chain(parent, keys, datas)
+        for orphan in orphans:
+            self._ctx.storage.settle(orphan)
+        self._parent = blocks[-1]
+        self._attach_pages(first, blocks)
+        if exact:
+            self._snapshot_ssm(blocks[-1])
+
+    def _insertion_parent(self) -> Block | None:
+        """The block the next committed block goes under, or None once sharing stopped."""
+        parent = self._parent
+        if parent is None or parent.in_tree:
+            return parent
+        if parent.parent is not None:  # an earlier block left the tree: no more sharing
+            self._parent = None
+            return None
+        self._parent = self._ctx.tree.root(parent.key)  # the scope's root was pruned meanwhile
+        return self._parent
+
+    def _attach_pages(self, first: int, blocks: Sequence[Block]) -> None:
+        """Make our pages of blocks `first`, `first + 1`, ... the tree blocks' pages; where a
+        block already has one, share it instead (one copy of the KV, not two)."""
+        storage, callback = self._ctx.storage, self._priority_callback
+        for g in self._attention_groups:
+            pages = self._pages[g]
+            for index, block in enumerate(blocks, first):
+                page = pages[index] if index < len(pages) else None
+                if page is None or page.block is not None:
+                    continue
+                existing = block.pages[g]
+                if existing is None:
+                    if callback is not None:
+                        page.priority = self._priority(block.ordinal, g)
+                    block.pages[g] = page
+                    page.block = block
+                    if not page.locks:
+                        storage.settle(page)
+                elif block.num_tokens == self._tpb:
+                    self._share(g, index, page, existing)
+
+    def _share(self, g: int, index: int, page: Page, existing: Page) -> None:
+        """Block `index` is already in the tree with page `existing`: use the tree's page if it
+        is on the GPU, else (colder and unused) put ours in its place."""
+        storage, tree = self._ctx.storage, self._ctx.tree
+        if existing.level == GPU_LEVEL:
+            self._acquire(existing)
+            self._set_page(g, index, existing)
+            self._release(page)
+        elif not existing.locks and not existing.holds:
+            block = existing.block
+            assert block is not None
+            tree.detach(existing)
+            storage.settle(existing)
+            page.priority = existing.priority
+            tree.attach(block, page)
+            storage.settle(page)
+
+    def _snapshot_ssm(self, block: Block) -> None:
+        for g in self._ssm:
+            live = self._pages[g][0]
+            if live is not None and block.pages[g] is None:
+                self._snapshot(block, g, live)
 
     def stop_committing(self) -> None:
         """No more commits: the unfinished tail block goes into the tree as a partial block."""
@@ -476,55 +541,19 @@ class KVCache:
     def _commit_block(
         self, index: int, data: bytes, num_tokens: int, key: bytes, snapshot: bool
     ) -> None:
-        """Insert block `index` (full, or the partial tail: `num_tokens` tokens encoded as
-        `data`) with `key` under the previous committed block."""
-        parent = self._parent
+        """Insert block `index` (the partial tail: `num_tokens` tokens encoded as `data`) with
+        `key` under the previous committed block."""
+        parent = self._insertion_parent()
         if parent is None:
-            return  # an earlier block could not be inserted: no more sharing
-        tree = self._ctx.tree
-        if not parent.in_tree:
-            if parent.parent is not None:
-                self._parent = None
-                return
-            parent = tree.root(parent.key)  # the scope's root was pruned meanwhile
-        storage = self._ctx.storage
-        block, orphans = tree.insert(parent, key, data, num_tokens)
+            return
+        block, orphans = self._ctx.tree.insert(parent, key, data, num_tokens)
         for orphan in orphans:
-            storage.settle(orphan)
-        full = num_tokens == self._tpb
-        if full:
-            self._parent = block
+            self._ctx.storage.settle(orphan)
         if block is None:
             return
-        block_pages = block.pages
-        for g in self._attention_groups:
-            pages = self._pages[g]
-            page = pages[index] if index < len(pages) else None
-            if page is None or page.block is not None:
-                continue
-            existing = block_pages[g]
-            if existing is None:
-                if self._priority_callback is not None:
-                    page.priority = self._priority(block.ordinal, g)
-                tree.attach(block, page)
-                if not page.locks:
-                    storage.settle(page)
-            elif full and existing.level == GPU_LEVEL:
-                self._acquire(existing)  # one copy of the KV, not two
-                self._set_page(g, index, existing)
-                self._release(page)
-            elif full and not existing.locks and not existing.holds:
-                # The tree's copy is colder and unused: ours (on the GPU) replaces it.
-                tree.detach(existing)
-                storage.settle(existing)
-                page.priority = existing.priority
-                tree.attach(block, page)
-                storage.settle(page)
+        self._attach_pages(index, [block])
         if snapshot:
-            for g in self._ssm:
-                live = self._pages[g][0]
-                if live is not None and block_pages[g] is None:
-                    self._snapshot(block, g, live)
+            self._snapshot_ssm(block)
 
     def _snapshot(self, block: Block, g: int, live: Page) -> None:
         """Copy the live SSM state into a page of `block` (best effort: skipped when no slot)."""

@@ -379,6 +379,29 @@ class RadixTree:
             parent.num_partial_children += 1
         return block, orphans
 
+    def insert_chain(
+        self, parent: Block, keys: Sequence[bytes], datas: Sequence[bytes]
+    ) -> tuple[list[Block], Sequence[Page]]:
+        """`insert` full blocks one below the other, starting under `parent`."""
+        blocks: list[Block] = []
+        orphans: Sequence[Page] = _NO_PAGES
+        tpb, num_groups = self._tokens_per_block, self._num_layer_groups
+        for key, data in zip(keys, datas, strict=True):
+            kids = parent.kids
+            if kids is None:
+                child = parent.kids = Block(key, parent, data, tpb, num_groups)
+            elif type(kids) is not dict and kids.key == key:  # type: ignore[union-attr]
+                child = kids  # type: ignore[assignment]
+            else:
+                found, removed = self.insert(parent, key, data, tpb)
+                assert found is not None, "a full block is always inserted"
+                child = found
+                if removed:
+                    orphans = [*orphans, *removed]
+            blocks.append(child)
+            parent = child
+        return blocks, orphans
+
     @staticmethod
     def detach(page: Page) -> None:
         """Unlink a page from its block, which keeps its place in the tree."""
