@@ -127,7 +127,7 @@ def test_dropping_a_window_page_keeps_the_block_while_another_group_has_a_page()
     layout = KVLayout([kv_layer(0, window=32), kv_layer(1)], 16)
     tree, allocator = RadixTree(layout), SlotAllocator(100)
     blocks = build_chain(tree, layout, allocator, 2, groups=[0, 1])
-    assert tree.remove_page(blocks[1].pages[0]) == []
+    assert not tree.remove_page(blocks[1].pages[0])
     assert blocks[1].in_tree and blocks[1].pages[1] is not None
     # A block holding only a window page: when that goes, the empty tail is pruned upwards.
     layout_swa = KVLayout([kv_layer(0, window=32), kv_layer(1, window=64)], 16)
@@ -143,7 +143,7 @@ def test_pruning_empties_the_scope_root():
     layout = KVLayout([kv_layer(0, window=32, sinks=0), ssm_layer(1, size=100)], 16)
     tree, allocator = RadixTree(layout), SlotAllocator(100)
     blocks = build_chain(tree, layout, allocator, 1, groups=[0])
-    assert tree.remove_page(blocks[0].pages[0]) == []
+    assert not tree.remove_page(blocks[0].pages[0])
     assert tree.roots == {}
 
 

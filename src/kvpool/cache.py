@@ -412,10 +412,11 @@ class KVCache:
             self._require_active("commit")
         if not self._committing:
             raise LogicError("cannot commit tokens after stop_committing()")
-        if not isinstance(tokens, list | tuple | range):
+        if type(tokens) is not tuple and type(tokens) is not list:
             tokens = list(tokens)
         count = len(tokens)
-        if self._committed + count > self._capacity:
+        committed = self._committed + count
+        if committed > self._capacity:
             raise LogicError(
                 f"cannot commit {count} tokens: {self._committed} are committed and the "
                 f"capacity is {self._capacity}"
@@ -424,15 +425,17 @@ class KVCache:
         tail = self._tail
         tail += tokens
         # Keep the tail's bytes while every token is an int (4 bytes): no re-encoding per block.
-        if self._tail_bytes is not None and len(encoded) == 4 * count:
-            self._tail_bytes += encoded
-        else:
-            self._tail_bytes = None
-        self._committed += count
+        tail_bytes = self._tail_bytes
+        if tail_bytes is not None:
+            if len(encoded) == 4 * count:
+                tail_bytes += encoded
+            else:
+                self._tail_bytes = None
+        self._committed = committed
         if len(tail) >= self._tpb:
             self._commit_full_blocks()
-        if self._committed > self._history:
-            self._history = self._committed
+        if committed > self._history:
+            self._history = committed
         if _debug.DEBUG:
             self._ctx.check()
 

@@ -7,6 +7,7 @@ per priority, plus a sorted list of the priorities in use, at most 101).
 from __future__ import annotations
 
 import bisect
+from itertools import islice
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -29,6 +30,15 @@ class EvictionQueue:
         """Pages in eviction order (lazily: do not change the queue while iterating)."""
         for priority in self._priorities:
             yield from self._lists[priority]
+
+    def oldest(self, count: int) -> list[Page]:
+        """The next `count` pages to evict (fewer if the queue is shorter), without removing them."""
+        pages: list[Page] = []
+        for priority in self._priorities:
+            pages += islice(self._lists[priority], count - len(pages))
+            if len(pages) >= count:
+                break
+        return pages
 
     def push(self, page: Page, evict_first: bool = False) -> None:
         """Add `page` as the newest of its priority (or the oldest, with `evict_first`)."""

@@ -417,7 +417,7 @@ class RadixTree:
 
     # -- removal ---------------------------------------------------------------------------------
 
-    def remove_page(self, page: Page) -> list[Page]:
+    def remove_page(self, page: Page) -> Sequence[Page]:
         """Detach a dropped page from its block; return the other pages that lost their block.
 
         Without a full-attention (or sink) page a block and all its descendants can never be
@@ -427,21 +427,21 @@ class RadixTree:
         assert block is not None and block.pages[page.layer_group] is page
         block.pages[page.layer_group] = None
         page.block = None
-        if block.ordinal < self._anchor_blocks[page.layer_group]:
-            parent = block.parent
-            orphans: list[Page] = []
-            if block.kids is not None or any(block.pages):
-                self._remove_subtree(block, orphans)
-            elif parent is not None:  # a leaf with nothing left: just unlink it
-                self._unlink(block)
-                block.in_tree = False
-            else:
-                self._remove_subtree(block, orphans)
-            if parent is not None:
+        if block.ordinal >= self._anchor_blocks[page.layer_group]:
+            self._prune_upwards(block)
+            return _NO_PAGES
+        parent = block.parent
+        if parent is not None and block.kids is None and not any(block.pages):
+            self._unlink(block)  # a leaf with nothing left (the usual LRU victim)
+            block.in_tree = False
+            if parent.kids is None and not any(parent.pages):
                 self._prune_upwards(parent)
-            return orphans
-        self._prune_upwards(block)
-        return []
+            return _NO_PAGES
+        orphans: list[Page] = []
+        self._remove_subtree(block, orphans)
+        if parent is not None:
+            self._prune_upwards(parent)
+        return orphans
 
     def clear(self) -> list[Page]:
         """Remove every block; return their pages."""

@@ -9,7 +9,6 @@ counts first and carried out only when the plan succeeds.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Sequence
 
 from kvpool.errors import CorruptedError, OutOfPagesError
@@ -49,7 +48,7 @@ class StorageManager:
         self.pages = [[{} for _ in level.pool_groups] for level in self.levels]  # type: list[list[dict[int, Page]]]
         self.copier = Copier()
         # Called when a committed page is dropped; returns pages that lost their block with it.
-        self.on_drop: Callable[[Page], list[Page]] = lambda page: []
+        self.on_drop: Callable[[Page], Sequence[Page]] = lambda page: ()
         self.num_dropped = 0
         self.num_moved = [0] * len(self.levels)  # pages that arrived at each level
         self.bytes_moved = [0] * len(self.levels)
@@ -139,7 +138,7 @@ class StorageManager:
         free = self.num_free(level, pool_group)
         if free >= want:
             return _Plan(free=want)
-        victims = list(itertools.islice(self.queues[level][pool_group], want - free))
+        victims = self.queues[level][pool_group].oldest(want - free)
         if free + len(victims) < at_least:
             return None
         plan = self._plan_eviction(level, pool_group, victims)
@@ -267,27 +266,31 @@ class StorageManager:
         self.migrate(victims[len(victims) - room :], level + 1)
 
     def _drop_all(self, pages: list[Page]) -> None:
-        """`_drop` each page, freeing their slots in one call per pool group."""
+        """`_drop` each page (one pool group, any levels), freeing slots one call per level."""
         orphans: list[Page] = []
-        freed: dict[tuple[int, int], list[Page]] = {}
+        freed: dict[int, list[Page]] = {}  # level -> pages
+        on_drop, queues = self.on_drop, self.queues
         for page in pages:
             if page.slot is None:
                 continue  # an earlier drop orphaned and freed it
             assert page.locks == 0 and page.holds == 0, page
             if page.queued:
-                self.queues[page.level][page.pool_group].remove(page)
+                queues[page.level][page.pool_group].remove(page)
             if page.block is not None:
-                orphans += self.on_drop(page)
-            group = freed.get((page.level, page.pool_group))
+                lost = on_drop(page)
+                if lost:
+                    orphans += lost
+            group = freed.get(page.level)
             if group is None:
-                group = freed[page.level, page.pool_group] = []
+                group = freed[page.level] = []
             group.append(page)
-        for (level, pool_group), group in freed.items():
+        for level, group in freed.items():
+            pool_group = group[0].pool_group
             registry = self.pages[level][pool_group]
             slots = []
             for page in group:
                 slot = page.slot
-                assert slot is not None
+                assert slot is not None and page.pool_group == pool_group
                 del registry[slot.slot_id]
                 slots.append(slot)
                 page.slot = None
@@ -498,7 +501,11 @@ class StorageManager:
         for page in pages:
             assert page.locks > 0, page
             page.locks -= 1
-            if not page.locks:
+            if page.locks:
+                continue
+            if not page.holds and page.block is not None and not page.queued:
+                self.queues[page.level][page.pool_group].push(page)  # cached: evictable now
+            else:
                 self.settle(page)
 
     def hold(self, page: Page) -> None:
