@@ -42,6 +42,9 @@ class StorageManager:
     def __init__(self, levels: Sequence[LevelStorage]) -> None:
         self.levels = list(levels)
         self._last_level = len(self.levels) - 1
+        # Freed Page objects, reused for new pages: no garbage per page in the hot loop. Nothing
+        # keeps a page once it is freed (no owner, block or queue refers to it).
+        self._spare_pages: list[Page] = []
         self.allocators = [[group.allocator for group in level.pool_groups] for level in levels]
         self.queues = [[EvictionQueue() for _ in level.pool_groups] for level in self.levels]
         # The page in each occupied slot, per level and pool group.
@@ -105,9 +108,15 @@ class StorageManager:
         allocator = self.allocators[level][pool_group]
         if allocator.num_free_slots < count:
             self.make_room(level, pool_group, count)
-        pages = [
-            Page(slot, level, pool_group, layer_group, locks)
-            for slot in allocator.allocate_multiple(count)
+        slots = allocator.allocate_multiple(count)
+        spare = self._spare_pages
+        reused = spare[len(spare) - min(count, len(spare)) :]
+        del spare[len(spare) - len(reused) :]
+        for page, slot in zip(reused, slots, strict=False):
+            page.reset(slot, level, pool_group, layer_group, locks)
+        pages = reused
+        pages += [
+            Page(slot, level, pool_group, layer_group, locks) for slot in slots[len(reused) :]
         ]
         owners = self.pages[level][pool_group]
         for page in pages:
@@ -294,6 +303,7 @@ class StorageManager:
                 del registry[slot.slot_id]
                 slots.append(slot)
                 page.slot = None
+            self._spare_pages += group
             self.allocators[level][pool_group].release_multiple(slots)
             self.num_dropped += len(group)
         for orphan in orphans:
@@ -316,6 +326,7 @@ class StorageManager:
         del self.pages[page.level][page.pool_group][slot.slot_id]
         self.levels[page.level].pool_groups[page.pool_group].allocator.release(slot)
         page.slot = None
+        self._spare_pages.append(page)
 
     # -- migration -------------------------------------------------------------------------------
 
