@@ -114,7 +114,7 @@ def test_dropping_a_full_attention_page_removes_the_subtree():
     layout = KVLayout([kv_layer(0, window=32), kv_layer(1)], 16)
     tree, allocator = RadixTree(layout), SlotAllocator(100)
     blocks = build_chain(tree, layout, allocator, 4, groups=[0, 1])
-    orphans = tree.remove_page(blocks[1].pages[1])
+    orphans = tree.remove_page(blocks[1][1])
     # Block 1 and its descendants are unreachable: their other pages are orphaned.
     assert len(orphans) == 1 + 2 * 2
     assert [b.in_tree for b in blocks] == [True, False, False, False]
@@ -127,15 +127,15 @@ def test_dropping_a_window_page_keeps_the_block_while_another_group_has_a_page()
     layout = KVLayout([kv_layer(0, window=32), kv_layer(1)], 16)
     tree, allocator = RadixTree(layout), SlotAllocator(100)
     blocks = build_chain(tree, layout, allocator, 2, groups=[0, 1])
-    assert not tree.remove_page(blocks[1].pages[0])
-    assert blocks[1].in_tree and blocks[1].pages[1] is not None
+    assert not tree.remove_page(blocks[1][0])
+    assert blocks[1].in_tree and blocks[1][1] is not None
     # A block holding only a window page: when that goes, the empty tail is pruned upwards.
     layout_swa = KVLayout([kv_layer(0, window=32), kv_layer(1, window=64)], 16)
     tree, allocator = RadixTree(layout_swa), SlotAllocator(100)
     blocks = build_chain(tree, layout_swa, allocator, 3, groups=[0, 1])
-    tree.remove_page(blocks[2].pages[1])
+    tree.remove_page(blocks[2][1])
     assert blocks[2].in_tree  # group 0 still has a page
-    tree.remove_page(blocks[2].pages[0])
+    tree.remove_page(blocks[2][0])
     assert not blocks[2].in_tree and blocks[1].in_tree
 
 
@@ -143,7 +143,7 @@ def test_pruning_empties_the_scope_root():
     layout = KVLayout([kv_layer(0, window=32, sinks=0), ssm_layer(1, size=100)], 16)
     tree, allocator = RadixTree(layout), SlotAllocator(100)
     blocks = build_chain(tree, layout, allocator, 1, groups=[0])
-    assert not tree.remove_page(blocks[0].pages[0])
+    assert not tree.remove_page(blocks[0][0])
     assert tree.roots == {}
 
 
@@ -223,7 +223,7 @@ def test_children_switch_between_one_inline_child_and_a_dict():
     for block in blocks:
         tree.attach(block, make_page(allocator, 0, layout))
     for block in blocks[:2]:  # dropping a leaf's only page prunes it
-        tree.remove_page(block.pages[0])
+        tree.remove_page(block[0])
     assert root.kids is blocks[2] and not blocks[0].in_tree
     assert root.child(blocks[2].key) is blocks[2] and root.child(blocks[0].key) is None
     match = tree.match(root_key(None), list(range(200, 216)) + [5], partial=False)

@@ -54,7 +54,7 @@ def levels_of(m, tokens):
     match = m._tree.match(
         __import__("kvpool.radix", fromlist=["root_key"]).root_key(None), tokens, False
     )
-    return [page.level for block in match.blocks for page in block.pages if page is not None]
+    return [page.level for block in match.blocks for page in block if page is not None]
 
 
 def write_and_close(m, engine, tokens):

@@ -493,11 +493,11 @@ class KVCache:
                 page = pages[index] if index < len(pages) else None
                 if page is None or page.block is not None:
                     continue
-                existing = block.pages[g]
+                existing = block[g]
                 if existing is None:
                     if callback is not None:
                         page.priority = self._priority(block.ordinal, g)
-                    block.pages[g] = page
+                    block[g] = page
                     page.block = block
                     if not page.locks:
                         storage.settle(page)
@@ -524,7 +524,7 @@ class KVCache:
     def _snapshot_ssm(self, block: Block) -> None:
         for g in self._ssm:
             live = self._pages[g][0]
-            if live is not None and block.pages[g] is None:
+            if live is not None and block[g] is None:
                 self._snapshot(block, g, live)
 
     def stop_committing(self) -> None:
@@ -600,7 +600,7 @@ class KVCache:
             beg, end = lc.stale_range(length, tpb)
             self._table.resize(g, num_blocks)
             indices = [index for index in range(num_blocks) if not beg <= index < end]
-            pages = [match.blocks[index].pages[g] for index in indices]
+            pages = [match.blocks[index][g] for index in indices]
             assert None not in pages, "match pruning guarantees the pages"
             storage.hold_all(pages)  # type: ignore[arg-type]
             if partial and indices and indices[-1] == num_blocks - 1:
@@ -608,7 +608,7 @@ class KVCache:
             self._table.set_many(g, indices, pages)  # type: ignore[arg-type]
             self._released_end[g] = end
         for g in self._ssm:
-            snapshot = match.blocks[num_blocks - 1].pages[g]
+            snapshot = match.blocks[num_blocks - 1][g]
             assert snapshot is not None, "match pruning guarantees the snapshot"
             storage.hold(snapshot)
             self._deferred.append((g, -1, snapshot))

@@ -386,8 +386,8 @@ class KVCacheManager:
         return self._storage.num_dropped
 
     @property
-    def num_moved_pages(self) -> int:
-        """Pages moved between levels so far (eviction down, bringing back up, prefetch)."""
+    def num_moved_pages(self) -> list[int]:
+        """Pages that arrived at each level so far (eviction down, bringing up, prefetch)."""
         return self._storage.num_moved
 
     def clear_reusable_blocks(self) -> None:
@@ -464,7 +464,7 @@ class KVCacheManager:
                 or block.parent.child(block.key) is not block
             ):
                 problems.append(f"{block}: broken parent link")
-            for g, page in enumerate(block.pages):
+            for g, page in enumerate(block):
                 if page is not None:
                     pages[id(page)] = page
                     if page.block is not block or page.layer_group != g:

@@ -111,13 +111,15 @@ def block_key_of_encoded(previous_key: bytes, encoded: bytes) -> bytes:
 _NO_PAGES: tuple[Page, ...] = ()  # "no orphans", without a new list per insert
 
 
-class Block:
+class Block(list["Page | None"]):
     """One committed block: full (`tokens_per_block` tokens) or a partial tail (fewer, a leaf).
 
-    `pages[g]` is the block's page for layer group `g`, or None (never stored, or dropped).
-    `data` is the block's tokens as `encode_tokens` writes them (bytes: nothing for the garbage
-    collector to track). `kids` is None for a leaf, the child itself when there is one (most
-    blocks of a chain), or a dict key -> child when there are several.
+    A block is the list of its pages: `block[g]` is its page for layer group `g`, or None
+    (never stored, or dropped). (A list subclass, so that a block is one object for the garbage
+    collector rather than two; blocks compare and hash by identity.) `data` is the block's
+    tokens as `encode_tokens` writes them (bytes: nothing for the collector to track). `kids` is
+    None for a leaf, the child itself when there is one (most blocks of a chain), or a dict
+    key -> child when there are several.
     """
 
     __slots__ = (
@@ -128,9 +130,9 @@ class Block:
         "num_partial_children",
         "num_tokens",
         "ordinal",
-        "pages",
         "parent",
     )
+    __hash__ = object.__hash__  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -138,8 +140,9 @@ class Block:
         parent: Block | None,
         data: bytes,
         num_tokens: int,
-        num_layer_groups: int,
+        no_pages: list[None],
     ) -> None:
+        super().__init__(no_pages)
         self.key = key
         self.parent = parent
         self.data = data
@@ -147,8 +150,16 @@ class Block:
         self.ordinal: int = -1 if parent is None else parent.ordinal + 1
         self.kids: Block | dict[bytes, Block] | None = None
         self.num_partial_children = 0  # children with fewer tokens than a block
-        self.pages: list[Page | None] = [None] * num_layer_groups
         self.in_tree = True
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
+
+    def __bool__(self) -> bool:
+        return True
 
     @property
     def is_root(self) -> bool:
@@ -156,16 +167,18 @@ class Block:
 
     def child(self, key: bytes) -> Block | None:
         kids = self.kids
-        if kids is None or type(kids) is dict:
-            return None if kids is None else kids.get(key)
-        return kids if kids.key == key else None  # type: ignore[union-attr]
+        if kids is None:
+            return None
+        if isinstance(kids, dict):
+            return kids.get(key)
+        return kids if kids.key == key else None
 
     @property
     def children(self) -> list[Block]:
         kids = self.kids
         if kids is None:
             return []
-        return list(kids.values()) if type(kids) is dict else [kids]  # type: ignore[list-item,union-attr]
+        return list(kids.values()) if isinstance(kids, dict) else [kids]
 
     @property
     def tokens(self) -> tuple[Token, ...]:
@@ -183,10 +196,10 @@ def _add_child(parent: Block, block: Block) -> None:
     kids = parent.kids
     if kids is None:
         parent.kids = block
-    elif type(kids) is dict:
+    elif isinstance(kids, dict):
         kids[block.key] = block
     else:
-        parent.kids = {kids.key: kids, block.key: block}  # type: ignore[union-attr]
+        parent.kids = {kids.key: kids, block.key: block}
 
 
 def _remove_child(parent: Block, block: Block) -> None:
@@ -194,7 +207,7 @@ def _remove_child(parent: Block, block: Block) -> None:
     if kids is block:
         parent.kids = None
         return
-    assert type(kids) is dict and kids[block.key] is block
+    assert isinstance(kids, dict) and kids[block.key] is block
     del kids[block.key]
     if len(kids) == 1:
         (parent.kids,) = kids.values()
@@ -250,7 +263,7 @@ class RadixTree:
         self.layout = layout
         self.roots: dict[bytes, Block] = {}
         self._tokens_per_block = layout.tokens_per_block
-        self._num_layer_groups = layout.num_layer_groups
+        self._no_pages: list[None] = [None] * layout.num_layer_groups  # a new block's pages
         # Per layer group: blocks below this ordinal need its page to stay reusable (every
         # block for full attention, the sink blocks for a window, none for SSM).
         self._anchor_blocks = [
@@ -264,7 +277,7 @@ class RadixTree:
         """The root of a scope (created on first use; removed again when it has no children)."""
         node = self.roots.get(key)
         if node is None:
-            node = self.roots[key] = Block(key, None, b"", 0, self._num_layer_groups)
+            node = self.roots[key] = Block(key, None, b"", 0, self._no_pages)
         return node
 
     # -- lookup ----------------------------------------------------------------------------------
@@ -305,16 +318,16 @@ class RadixTree:
             kids = node.kids
             if kids is None:
                 break
-            if type(kids) is dict:
-                child = kids.get(key)
-                if child is None:
+            if isinstance(kids, dict):
+                found = kids.get(key)
+                if found is None:
                     break
-            elif kids.key == key:  # type: ignore[union-attr]
-                child = kids  # type: ignore[assignment]
+                node = found
+            elif kids.key == key:
+                node = kids
             else:
                 break
-            blocks.append(child)
-            node = child
+            blocks.append(node)
         matched = len(blocks) * tpb
         children = node.children if partial else []
         if children and len(children) <= MAX_CHILDREN_SCANNED:
@@ -373,7 +386,7 @@ class RadixTree:
                 if child.num_tokens < num_tokens and data.startswith(child.data):
                     self._remove_subtree(child, removed)
             orphans = removed
-        block = Block(key, parent, data, num_tokens, self._num_layer_groups)
+        block = Block(key, parent, data, num_tokens, self._no_pages)
         _add_child(parent, block)
         if partial:
             parent.num_partial_children += 1
@@ -385,13 +398,13 @@ class RadixTree:
         """`insert` full blocks one below the other, starting under `parent`."""
         blocks: list[Block] = []
         orphans: Sequence[Page] = _NO_PAGES
-        tpb, num_groups = self._tokens_per_block, self._num_layer_groups
+        tpb, no_pages = self._tokens_per_block, self._no_pages
         for key, data in zip(keys, datas, strict=True):
             kids = parent.kids
             if kids is None:
-                child = parent.kids = Block(key, parent, data, tpb, num_groups)
-            elif type(kids) is not dict and kids.key == key:  # type: ignore[union-attr]
-                child = kids  # type: ignore[assignment]
+                child = parent.kids = Block(key, parent, data, tpb, no_pages)
+            elif not isinstance(kids, dict) and kids.key == key:
+                child = kids
             else:
                 found, removed = self.insert(parent, key, data, tpb)
                 assert found is not None, "a full block is always inserted"
@@ -405,14 +418,14 @@ class RadixTree:
     @staticmethod
     def detach(page: Page) -> None:
         """Unlink a page from its block, which keeps its place in the tree."""
-        assert page.block is not None and page.block.pages[page.layer_group] is page
-        page.block.pages[page.layer_group] = None
+        assert page.block is not None and page.block[page.layer_group] is page
+        page.block[page.layer_group] = None
         page.block = None
 
     @staticmethod
     def attach(block: Block, page: Page) -> None:
-        assert block.pages[page.layer_group] is None and page.block is None
-        block.pages[page.layer_group] = page
+        assert block[page.layer_group] is None and page.block is None
+        block[page.layer_group] = page
         page.block = block
 
     # -- removal ---------------------------------------------------------------------------------
@@ -424,17 +437,17 @@ class RadixTree:
         reused again, so they go. Then childless blocks without any page are pruned upwards.
         """
         block = page.block
-        assert block is not None and block.pages[page.layer_group] is page
-        block.pages[page.layer_group] = None
+        assert block is not None and block[page.layer_group] is page
+        block[page.layer_group] = None
         page.block = None
         if block.ordinal >= self._anchor_blocks[page.layer_group]:
             self._prune_upwards(block)
             return _NO_PAGES
         parent = block.parent
-        if parent is not None and block.kids is None and not any(block.pages):
+        if parent is not None and block.kids is None and not any(block):
             self._unlink(block)  # a leaf with nothing left (the usual LRU victim)
             block.in_tree = False
-            if parent.kids is None and not any(parent.pages):
+            if parent.kids is None and not any(parent):
                 self._prune_upwards(parent)
             return _NO_PAGES
         orphans: list[Page] = []
@@ -463,11 +476,11 @@ class RadixTree:
                 stack.extend(block.children)
                 block.kids = None
             block.in_tree = False
-            if any(block.pages):
-                for group, page in enumerate(block.pages):
+            if any(block):
+                for group, page in enumerate(block):
                     if page is not None:
                         page.block = None
-                        block.pages[group] = None
+                        block[group] = None
                         orphans.append(page)
 
     def _unlink(self, block: Block) -> None:
@@ -479,7 +492,7 @@ class RadixTree:
 
     def _prune_upwards(self, block: Block) -> None:
         """Remove childless blocks that hold no page in any layer group, up to the root."""
-        while block.kids is None and not any(block.pages):
+        while block.kids is None and not any(block):
             parent = block.parent
             if parent is None:
                 if self.roots.get(block.key) is block:
@@ -510,7 +523,7 @@ def _attention_endpoint(
     for index in range(-(-length // tpb)):
         if beg <= index < end:
             continue
-        if blocks[index].pages[group] is None:
+        if blocks[index][group] is None:
             return index * tpb
     return length
 
@@ -520,6 +533,6 @@ def _ssm_endpoint(blocks: list[Block], group: int, length: int, tpb: int) -> int
     for index in range(-(-length // tpb) - 1, -1, -1):
         block = blocks[index]
         end = index * tpb + block.num_tokens
-        if end <= length and block.pages[group] is not None:
+        if end <= length and block[group] is not None:
             return end
     return 0
