@@ -423,9 +423,9 @@ def test_is_occupied_bounds():
     [
         (lambda a: setattr(a, "_num_occupied", 1), "occupied count"),
         (lambda a: a._recycled.append(a._recycled[0]), "free twice"),
-        (lambda a: a._recycled.append(0), "both free and occupied"),
+        (lambda a: a._recycled.append(a._slots[0]), "both free and occupied"),
         (lambda a: setattr(a, "_num_active", 5), "high-water mark"),
-        (lambda a: a._overflow.append(1), "overflow id is outside"),
+        (lambda a: a._overflow.append(a._slots[1]), "overflow id is outside"),
     ],
 )
 def test_invariant_check_detects_corruption(corrupt, message):

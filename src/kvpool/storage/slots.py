@@ -61,9 +61,11 @@ class SlotAllocator:
         self._capacity = capacity
         self._target = capacity
         self._num_active = 0
-        self._recycled: deque[int] = deque()
-        self._waiting: deque[int] = deque()  # their slot's ready_event is not set yet
-        self._overflow: list[int] = []
+        # Free slots, as their handles: recycled (FIFO), waiting (ready_event not set yet) and
+        # overflow (at or above the target capacity of a shrink).
+        self._recycled: deque[Slot] = deque()
+        self._waiting: deque[Slot] = deque()
+        self._overflow: list[Slot] = []
         self._slots: list[Slot] = []  # the handle of each id below the high-water mark
         self._num_occupied = 0
 
@@ -137,24 +139,27 @@ class SlotAllocator:
 
     def _take(self, count: int) -> list[Slot]:
         """Hand out `count` ids (the caller checked that they are free), one batch at a time."""
-        waiting, recycled, slots = self._waiting, self._recycled, self._slots
+        waiting, recycled = self._waiting, self._recycled
         while waiting:
-            event = slots[waiting[0]].ready_event
+            event = waiting[0].ready_event
             if event is not None and not event.is_set():
                 break
-            slots[waiting[0]].ready_event = None
+            waiting[0].ready_event = None
             recycled.append(waiting.popleft())
-        if count <= len(recycled):
-            taken = [slots[recycled.popleft()] for _ in range(count)]
+        if count < len(recycled):
+            popleft = recycled.popleft
+            taken = [popleft() for _ in range(count)]
         else:
-            taken = [slots[slot_id] for slot_id in recycled]
+            taken = list(recycled)
             recycled.clear()
-            fresh = min(count - len(taken), self._target - self._num_active)
-            first = self._num_active
-            slots += map(Slot, range(first, first + fresh))
-            taken += slots[first:]
-            self._num_active += fresh
-            taken += [slots[waiting.popleft()] for _ in range(count - len(taken))]
+            if count > len(taken):
+                slots = self._slots
+                fresh = min(count - len(taken), self._target - self._num_active)
+                first = self._num_active
+                slots += map(Slot, range(first, first + fresh))
+                taken += slots[first:]
+                self._num_active += fresh
+                taken += [waiting.popleft() for _ in range(count - len(taken))]
         for slot in taken:
             slot.released = False
         self._num_occupied += count
@@ -183,9 +188,19 @@ class SlotAllocator:
                     earlier.released = False
                 self._refuse_release(slot, slots)
             slot.released = True  # also catches a slot given twice
-        put_back = self._put_back
-        for slot in slots:
-            put_back(slot, ready_event)
+        target, recycled = self._target, self._recycled
+        for slot in slots:  # `_put_back`, inlined: this loop runs for every evicted page
+            if ready_event is not None:
+                slot.ready_event = ready_event
+            event = slot.ready_event
+            if event is not None and event.is_set():
+                slot.ready_event = event = None
+            if slot.slot_id >= target:
+                self._overflow.append(slot)
+            elif event is None:
+                recycled.append(slot)
+            else:
+                self._waiting.append(slot)
         self._num_occupied -= len(slots)
         if _debug.DEBUG:
             self.check_invariants()
@@ -198,11 +213,11 @@ class SlotAllocator:
         if event is not None and event.is_set():
             slot.ready_event = event = None
         if slot.slot_id >= self._target:
-            self._overflow.append(slot.slot_id)
+            self._overflow.append(slot)
         elif event is None:
-            self._recycled.append(slot.slot_id)
+            self._recycled.append(slot)
         else:
-            self._waiting.append(slot.slot_id)
+            self._waiting.append(slot)
 
     def _refuse_release(self, slot: Slot, slots: Sequence[Slot]) -> None:
         if sum(other is slot for other in slots) > 1:
@@ -220,9 +235,9 @@ class SlotAllocator:
             raise LogicError(f"a shrink to {self._target} is already in progress")
         _check_int("new_capacity", new_capacity, 0, self._capacity - 1)
         for name in ("_recycled", "_waiting"):
-            kept: deque[int] = deque()
-            for slot_id in getattr(self, name):
-                (kept if slot_id < new_capacity else self._overflow).append(slot_id)
+            kept: deque[Slot] = deque()
+            for slot in getattr(self, name):
+                (kept if slot.slot_id < new_capacity else self._overflow).append(slot)
             setattr(self, name, kept)
         self._target = new_capacity
         if _debug.DEBUG:
@@ -240,10 +255,9 @@ class SlotAllocator:
                 f"cannot finish shrink to {self._target}: {len(blocking)} slot(s) at or above it "
                 f"are still occupied ({shown}); release them first"
             )
-        for slot_id in self._overflow:
-            event = self._slots[slot_id].ready_event
-            if event is not None:
-                event.wait()
+        for slot in self._overflow:
+            if slot.ready_event is not None:
+                slot.ready_event.wait()
         self._overflow.clear()
         self._capacity = self._target
         self._num_active = min(self._num_active, self._capacity)
@@ -256,9 +270,8 @@ class SlotAllocator:
         """Abandon the scheduled shrink: overflow ids become free again."""
         if not self.shrink_in_progress:
             raise LogicError("cancel_shrink() without prepare_for_shrink()")
-        for slot_id in self._overflow:
-            waiting = self._slots[slot_id].ready_event is not None
-            (self._waiting if waiting else self._recycled).append(slot_id)
+        for slot in self._overflow:
+            (self._waiting if slot.ready_event is not None else self._recycled).append(slot)
         self._overflow.clear()
         self._target = self._capacity
         if _debug.DEBUG:
@@ -289,8 +302,8 @@ class SlotAllocator:
             problems.append(
                 f"occupied count {self._num_occupied} != handles {np.count_nonzero(occupied)}"
             )
-        recycled = np.array([*self._recycled, *self._waiting], dtype=np.int64)
-        overflow = np.array(self._overflow, dtype=np.int64)
+        recycled = np.array([s.slot_id for s in (*self._recycled, *self._waiting)], dtype=np.int64)
+        overflow = np.array([slot.slot_id for slot in self._overflow], dtype=np.int64)
         if recycled.size and (recycled.min() < 0 or recycled.max() >= min(target, active)):
             problems.append("a recycled or waiting id is outside [0, min(target, high-water))")
         if overflow.size and (overflow.min() < target or overflow.max() >= min(capacity, active)):
@@ -305,9 +318,9 @@ class SlotAllocator:
                 f"recycled+waiting {recycled.size} + overflow {overflow.size} + occupied "
                 f"{self._num_occupied} != high-water mark {active}"
             )
-        if any(slots[slot_id].ready_event is None for slot_id in self._waiting):
+        if any(slot.ready_event is None for slot in self._waiting):
             problems.append("a waiting id has no ready event")
-        if any(slots[slot_id].ready_event is not None for slot_id in self._recycled):
+        if any(slot.ready_event is not None for slot in self._recycled):
             problems.append("a recycled id has a ready event")
         if problems:
             raise CorruptedError("SlotAllocator: " + "; ".join(problems))
