@@ -153,15 +153,17 @@ def test_longer_block_replaces_a_partial_sibling():
     root = tree.root(root_key(None))
     partial_tokens = tuple(range(5))
     partial, _ = insert(tree, root, partial_tokens)
+    partial_key = partial.key
     tree.attach(partial, make_page(allocator, 0, layout))
     # A shorter partial covered by it is useless.
     useless, orphans = insert(tree, root, partial_tokens[:3])
     assert useless is None and not orphans
     full_tokens = tuple(range(16))
     full, orphans = insert(tree, root, full_tokens)
-    assert full is not None and not partial.in_tree
+    assert full is not None and full.tokens == full_tokens
     assert len(orphans) == 1 and orphans[0].block is None
-    assert root.children == [full]
+    assert root.children == [full] and root.num_partial_children == 0
+    assert partial_key not in tree.index and tree.index == {full.key: full}
 
 
 def test_clear_removes_everything():

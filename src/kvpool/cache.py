@@ -79,8 +79,11 @@ class KVCache:
         self._tpb = layout.tokens_per_block
         self._capacity = self._history = self._committed = 0
         self._committing = True
-        self._prev_key = scope_key  # key of the last committed full block
-        self._parent: Block | None = context.tree.root(scope_key)  # where the next block goes
+        self._scope_key = scope_key
+        # Key of the last committed full block: the next block goes under the tree's block with
+        # this key (or the scope's root), looked up when it is committed, so no block object is
+        # kept between calls.
+        self._prev_key = scope_key
         self._tail: list[Token] = []  # committed tokens of the unfinished block
         self._tail_bytes: bytearray | None = bytearray()  # their encoding, while all are ints
         self._attention = [
@@ -444,6 +447,7 @@ class KVCache:
         tail, data, tpb = self._tail, self._tail_bytes, self._tpb
         num_full = len(tail) // tpb
         first = (self._committed - len(tail)) // tpb
+        parent = self._insertion_parent()
         keys, datas = [], []
         key = self._prev_key
         for start in range(0, num_full * tpb, tpb):
@@ -461,27 +465,21 @@ class KVCache:
             self._tail_bytes = bytearray()  # a digest token only affects its own block
         elif data is not None:
             del data[: 4 * num_full * tpb]
-        parent = self._insertion_parent()
         if parent is None:
-            return
+            return  # the previous block is not in the tree (any more): nothing to share under
         blocks, orphans = self._ctx.tree.insert_chain(parent, keys, datas)
         for orphan in orphans:
             self._ctx.storage.settle(orphan)
-        self._parent = blocks[-1]
         self._attach_pages(first, blocks)
         if exact:
             self._snapshot_ssm(blocks[-1])
 
     def _insertion_parent(self) -> Block | None:
-        """The block the next committed block goes under, or None once sharing stopped."""
-        parent = self._parent
-        if parent is None or parent.in_tree:
-            return parent
-        if parent.parent is not None:  # an earlier block left the tree: no more sharing
-            self._parent = None
-            return None
-        self._parent = self._ctx.tree.root(parent.key)  # the scope's root was pruned meanwhile
-        return self._parent
+        """The tree block the next committed block goes under (None if it is not in the tree)."""
+        tree = self._ctx.tree
+        if self._prev_key == self._scope_key:
+            return tree.root(self._scope_key)
+        return tree.index.get(self._prev_key)
 
     def _attach_pages(self, first: int, blocks: Sequence[Block]) -> None:
         """Make our pages of blocks `first`, `first + 1`, ... the tree blocks' pages; where a
@@ -614,8 +612,7 @@ class KVCache:
             self._deferred.append((g, -1, snapshot))
         full_blocks = length // tpb
         if full_blocks:
-            self._parent = match.blocks[full_blocks - 1]
-            self._prev_key = self._parent.key
+            self._prev_key = match.blocks[full_blocks - 1].key
         self._tail = list(tokens[full_blocks * tpb : length])
         encoded = encode_tokens(self._tail)
         self._tail_bytes = bytearray(encoded) if len(encoded) == 4 * len(self._tail) else None

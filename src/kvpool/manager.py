@@ -457,7 +457,12 @@ class KVCacheManager:
                 problems.append(
                     f"{block}: counts {block.num_partial_children} partial children, has {partial}"
                 )
-        for block in tree.blocks():
+        in_tree = list(tree.blocks())
+        if len(in_tree) != len(tree.index) or any(
+            tree.index.get(block.key) is not block for block in in_tree
+        ):
+            problems.append("the tree's key index does not match its blocks")
+        for block in in_tree:
             if (
                 not block.in_tree
                 or block.parent is None

@@ -262,6 +262,12 @@ class RadixTree:
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.roots: dict[bytes, Block] = {}
+        # Every non-root block in the tree by key. Keys are chained from the scope's key, so a
+        # key alone names a block and its whole prefix: lookups need no walk from the root.
+        self.index: dict[bytes, Block] = {}
+        # Non-root blocks that left the tree, reused for new ones (no garbage per block). Nothing
+        # outside the tree keeps a block: requests look their insertion point up by key.
+        self._spare: list[Block] = []
         self._tokens_per_block = layout.tokens_per_block
         self._no_pages: list[None] = [None] * layout.num_layer_groups  # a new block's pages
         # Per layer group: blocks below this ordinal need its page to stay reusable (every
@@ -300,7 +306,7 @@ class RadixTree:
             return [], 0
         tpb = self.layout.tokens_per_block
         blocks: list[Block] = []
-        key = scope_key
+        key, index = scope_key, self.index
         # Tokens are encoded in chunks that double (4 blocks, 8, ...): one encoding call per
         # chunk, and at most about twice the matched length encoded. With digest tokens (not
         # 4 bytes each) every block is encoded on its own.
@@ -315,18 +321,10 @@ class RadixTree:
                 key = sha256(key + data[offset : offset + 4 * tpb]).digest()
             else:
                 key = block_key(key, tokens[start : start + tpb])
-            kids = node.kids
-            if kids is None:
+            found = index.get(key)
+            if found is None:
                 break
-            if isinstance(kids, dict):
-                found = kids.get(key)
-                if found is None:
-                    break
-                node = found
-            elif kids.key == key:
-                node = kids
-            else:
-                break
+            node = found
             blocks.append(node)
         matched = len(blocks) * tpb
         children = node.children if partial else []
@@ -369,7 +367,7 @@ class RadixTree:
         A partial block whose tokens start a sibling's tokens is useless (None is returned). A
         new block replaces the partial siblings whose tokens it extends.
         """
-        existing = parent.child(key)
+        existing = self.index.get(key)
         if existing is not None:
             return existing, _NO_PAGES
         partial = num_tokens < self._tokens_per_block
@@ -386,7 +384,7 @@ class RadixTree:
                 if child.num_tokens < num_tokens and data.startswith(child.data):
                     self._remove_subtree(child, removed)
             orphans = removed
-        block = Block(key, parent, data, num_tokens, self._no_pages)
+        block = self._new_block(key, parent, data, num_tokens)
         _add_child(parent, block)
         if partial:
             parent.num_partial_children += 1
@@ -398,22 +396,44 @@ class RadixTree:
         """`insert` full blocks one below the other, starting under `parent`."""
         blocks: list[Block] = []
         orphans: Sequence[Page] = _NO_PAGES
-        tpb, no_pages = self._tokens_per_block, self._no_pages
+        index, tpb = self.index, self._tokens_per_block
         for key, data in zip(keys, datas, strict=True):
-            kids = parent.kids
-            if kids is None:
-                child = parent.kids = Block(key, parent, data, tpb, no_pages)
-            elif not isinstance(kids, dict) and kids.key == key:
-                child = kids
-            else:
-                found, removed = self.insert(parent, key, data, tpb)
-                assert found is not None, "a full block is always inserted"
-                child = found
-                if removed:
-                    orphans = [*orphans, *removed]
+            child = index.get(key)
+            if child is None:
+                if parent.kids is None:  # the usual case: extend a chain
+                    child = parent.kids = self._new_block(key, parent, data, tpb)
+                else:
+                    found, removed = self.insert(parent, key, data, tpb)
+                    assert found is not None, "a full block is always inserted"
+                    child = found
+                    if removed:
+                        orphans = [*orphans, *removed]
             blocks.append(child)
             parent = child
         return blocks, orphans
+
+    def _new_block(self, key: bytes, parent: Block, data: bytes, num_tokens: int) -> Block:
+        """A block for the tree (a reused one when there is one), entered in the index."""
+        if self._spare:
+            block = self._spare.pop()
+            block.key, block.parent, block.data, block.num_tokens = key, parent, data, num_tokens
+            block.ordinal = parent.ordinal + 1
+            block.kids = None
+            block.num_partial_children = 0
+            block.in_tree = True
+        else:
+            block = Block(key, parent, data, num_tokens, self._no_pages)
+        self.index[key] = block
+        return block
+
+    def _retire(self, block: Block) -> None:
+        """`block` (without pages or children) left the tree: keep it for reuse. Roots are
+        never reused."""
+        block.in_tree = False
+        if block.parent is not None:
+            del self.index[block.key]
+            block.parent = None
+            self._spare.append(block)
 
     @staticmethod
     def detach(page: Page) -> None:
@@ -446,7 +466,7 @@ class RadixTree:
         parent = block.parent
         if parent is not None and block.kids is None and not any(block):
             self._unlink(block)  # a leaf with nothing left (the usual LRU victim)
-            block.in_tree = False
+            self._retire(block)
             if parent.kids is None and not any(parent):
                 self._prune_upwards(parent)
             return _NO_PAGES
@@ -475,13 +495,13 @@ class RadixTree:
             if block.kids is not None:
                 stack.extend(block.children)
                 block.kids = None
-            block.in_tree = False
             if any(block):
                 for group, page in enumerate(block):
                     if page is not None:
                         page.block = None
                         block[group] = None
                         orphans.append(page)
+            self._retire(block)
 
     def _unlink(self, block: Block) -> None:
         parent = block.parent
@@ -500,7 +520,7 @@ class RadixTree:
                 block.in_tree = False
                 return
             self._unlink(block)
-            block.in_tree = False
+            self._retire(block)
             block = parent
 
     # -- introspection ---------------------------------------------------------------------------
