@@ -33,7 +33,7 @@ from typing import Any
 
 os.environ.pop("KVPOOL_DEBUG", None)  # the invariant checker must be off when measuring
 
-from kvpool import (  # noqa: E402
+from kvpool import (
     AttentionLayerConfig,
     BufferConfig,
     DiskCacheTierConfig,
@@ -42,7 +42,7 @@ from kvpool import (  # noqa: E402
     KVCacheManager,
     KVCacheManagerConfig,
 )
-from kvpool.replay.prefix import exact_block_config  # noqa: E402
+from kvpool.replay.prefix import exact_block_config
 
 DEFAULT_PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "peers"
 WARMUP_CYCLES = 20

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from hashlib import sha256
 from enum import Enum
+from hashlib import sha256
 from typing import TYPE_CHECKING
 
 import numpy as np

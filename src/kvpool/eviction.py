@@ -7,9 +7,9 @@ per priority, plus a sorted list of the priorities in use, at most 101).
 from __future__ import annotations
 
 import bisect
-from itertools import islice
 from collections import OrderedDict
 from collections.abc import Iterator
+from itertools import islice
 
 from kvpool.errors import OutOfPagesError
 from kvpool.pages import Page

@@ -83,7 +83,9 @@ class KVCacheManager:
                 storage.close()
             raise
         self._storage = StorageManager(self._levels)
-        self._tree = RadixTree(self.layout)
+        # Records for about as many blocks as the GPU level holds, made now rather than in the
+        # engine's loop (like the slot handles and page records).
+        self._tree = RadixTree(self.layout, spare_blocks=max(self._levels[0].slot_counts))
         self._storage.on_drop = self._tree.remove_page
         self.rebalancer = DemandEstimator(self._config, self.layout, clock or time.monotonic)
         self._constrained: dict[int, tuple[object, int, list[float]]] = {}

@@ -43,11 +43,13 @@ class Page:
     )
 
     def __init__(
-        self, slot: Slot, level: int, pool_group: int, layer_group: int, locks: int = 0
+        self, slot: Slot | None, level: int, pool_group: int, layer_group: int, locks: int = 0
     ) -> None:
         self.reset(slot, level, pool_group, layer_group, locks)
 
-    def reset(self, slot: Slot, level: int, pool_group: int, layer_group: int, locks: int) -> None:
+    def reset(
+        self, slot: Slot | None, level: int, pool_group: int, layer_group: int, locks: int
+    ) -> None:
         """(Re)start as a new page in `slot` (the storage manager reuses freed Page objects)."""
         self.slot: Slot | None = slot
         self.level = level

@@ -12,10 +12,10 @@ removes what became unreachable and returns the pages that lost their block.
 from __future__ import annotations
 
 import hashlib
-from hashlib import sha256
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from hashlib import sha256
 
 from kvpool.config import ReuseScope
 from kvpool.errors import ArgumentError
@@ -259,7 +259,7 @@ class Match:
 class RadixTree:
     """Committed blocks of every reuse scope, keyed by chained block keys."""
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, spare_blocks: int = 0) -> None:
         self.layout = layout
         self.roots: dict[bytes, Block] = {}
         # Every non-root block in the tree by key. Keys are chained from the scope's key, so a
@@ -267,9 +267,11 @@ class RadixTree:
         self.index: dict[bytes, Block] = {}
         # Non-root blocks that left the tree, reused for new ones (no garbage per block). Nothing
         # outside the tree keeps a block: requests look their insertion point up by key.
-        self._spare: list[Block] = []
-        self._tokens_per_block = layout.tokens_per_block
         self._no_pages: list[None] = [None] * layout.num_layer_groups  # a new block's pages
+        self._spare: list[Block] = [
+            Block(b"", None, b"", 0, self._no_pages) for _ in range(spare_blocks)
+        ]
+        self._tokens_per_block = layout.tokens_per_block
         # Per layer group: blocks below this ordinal need its page to stay reusable (every
         # block for full attention, the sink blocks for a window, none for SSM).
         self._anchor_blocks = [

@@ -44,7 +44,8 @@ class StorageManager:
         self._last_level = len(self.levels) - 1
         # Freed Page objects, reused for new pages: no garbage per page in the hot loop. Nothing
         # keeps a page once it is freed (no owner, block or queue refers to it).
-        self._spare_pages: list[Page] = []
+        # Records for as many pages as the GPU level holds are made now, not in the engine's loop.
+        self._spare_pages = [Page(None, 0, 0, 0) for _ in range(sum(self.levels[0].slot_counts))]
         self.allocators = [[group.allocator for group in level.pool_groups] for level in levels]
         self.queues = [[EvictionQueue() for _ in level.pool_groups] for level in self.levels]
         # The page in each occupied slot, per level and pool group.

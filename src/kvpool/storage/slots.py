@@ -8,10 +8,11 @@ two-phase: `prepare_for_shrink(n)` stops issuing ids >= n and parks freed ones i
 ``len(overflow) == max(0, num_active_slots - n)``. The ``max(0, ...)`` lets a pool whose high-water
 mark is below the new size shrink at once.
 
-Each id has one `Slot` object for the allocator's life, made when the id is first issued and
-handed out again on every allocation (no object per allocation: the engine's hot loop allocates
-and frees thousands per second). So a double release is caught, but a handle kept after its
-release is the next owner's handle too: owners must drop it when they release (pages do).
+Each id has one `Slot` object for the allocator's life, made when the id is first issued (a
+large, little-used level costs no memory per slot) and handed out again on every allocation: no
+object per allocation, as the engine's hot loop allocates and frees thousands per second. So a
+double release is caught, but a handle kept after its release is the next owner's handle too:
+owners must drop it when they release (pages do).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Slot:
     def __init__(self, slot_id: int, ready_event: ReadyEvent | None = None) -> None:
         self.slot_id = slot_id
         self.ready_event = ready_event
-        self.released = False
+        self.released = True  # free until allocated
 
     def __repr__(self) -> str:
         state = " released" if self.released else ""
@@ -113,7 +114,8 @@ class SlotAllocator:
 
     def occupied_at_or_above(self, first: int) -> list[int]:
         """Occupied ids >= `first`, ascending."""
-        return [slot.slot_id for slot in self._slots[max(first, 0) :] if not slot.released]
+        slots = self._slots[max(first, 0) : self._num_active]
+        return [slot.slot_id for slot in slots if not slot.released]
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -130,11 +132,9 @@ class SlotAllocator:
         """`count` slots, in `allocate()` order, or `OutOfPagesError` and nothing allocated."""
         if type(count) is not int or count < 0:
             _check_int("count", count, 0, None)
-        if count > len(self._recycled) + len(self._waiting) + self._target - self._num_active:
-            if count > self.num_free_slots:  # (the sum above can undercount during a shrink)
-                raise OutOfPagesError(
-                    f"need {count} free slots, only {self.num_free_slots} are free"
-                )
+        free = len(self._recycled) + len(self._waiting) + max(self._target - self._num_active, 0)
+        if count > free:  # (`num_free_slots`, inlined)
+            raise OutOfPagesError(f"need {count} free slots, only {free} are free")
         return self._take(count)
 
     def _take(self, count: int) -> list[Slot]:
@@ -153,11 +153,10 @@ class SlotAllocator:
             taken = list(recycled)
             recycled.clear()
             if count > len(taken):
-                slots = self._slots
                 fresh = min(count - len(taken), self._target - self._num_active)
                 first = self._num_active
-                slots += map(Slot, range(first, first + fresh))
-                taken += slots[first:]
+                self._slots += map(Slot, range(first, first + fresh))
+                taken += self._slots[first:]
                 self._num_active += fresh
                 taken += [waiting.popleft() for _ in range(count - len(taken))]
         for slot in taken:
@@ -178,7 +177,9 @@ class SlotAllocator:
         if _debug.DEBUG:
             self.check_invariants()
 
-    def release_multiple(self, slots: Sequence[Slot], ready_event: ReadyEvent | None = None) -> None:
+    def release_multiple(
+        self, slots: Sequence[Slot], ready_event: ReadyEvent | None = None
+    ) -> None:
         """`release` each slot; all or nothing (a bad slot raises before any is released)."""
         own, active = self._slots, self._num_active
         for index, slot in enumerate(slots):
@@ -289,7 +290,7 @@ class SlotAllocator:
     # -- consistency -----------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise `CorruptedError` if the bookkeeping is inconsistent (O(capacity))."""
+        """Raise `CorruptedError` if the bookkeeping is inconsistent (O(high-water mark))."""
         capacity, target, active = self._capacity, self._target, self._num_active
         problems = []
         if not 0 <= target <= capacity or not 0 <= active <= capacity:
