@@ -86,7 +86,7 @@ class KVCacheManager:
         # Records for about as many blocks as the GPU level holds, made now rather than in the
         # engine's loop (like the slot handles and page records).
         self._tree = RadixTree(self.layout, spare_blocks=max(self._levels[0].slot_counts))
-        self._storage.on_drop = self._tree.remove_page
+        self._storage.on_drop = self._tree.remove_pages
         self.rebalancer = DemandEstimator(self._config, self.layout, clock or time.monotonic)
         self._constrained: dict[int, tuple[object, int, list[float]]] = {}
         self._living: dict[int, KVCache] = {}

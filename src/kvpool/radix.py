@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from hashlib import sha256
 
@@ -453,29 +453,55 @@ class RadixTree:
     # -- removal ---------------------------------------------------------------------------------
 
     def remove_page(self, page: Page) -> Sequence[Page]:
-        """Detach a dropped page from its block; return the other pages that lost their block.
+        """`remove_pages` for one page."""
+        return self.remove_pages((page,))
+
+    def remove_pages(self, pages: Iterable[Page]) -> Sequence[Page]:
+        """Detach dropped pages from their blocks; return the other pages that lost their block
+        (pages that lost it to an earlier one of `pages` are skipped).
 
         Without a full-attention (or sink) page a block and all its descendants can never be
         reused again, so they go. Then childless blocks without any page are pruned upwards.
         """
-        block = page.block
-        assert block is not None and block[page.layer_group] is page
-        block[page.layer_group] = None
-        page.block = None
-        if block.ordinal >= self._anchor_blocks[page.layer_group]:
-            self._prune_upwards(block)
-            return _NO_PAGES
-        parent = block.parent
-        if parent is not None and block.kids is None and not any(block):
-            self._unlink(block)  # a leaf with nothing left (the usual LRU victim)
-            self._retire(block)
-            if parent.kids is None and not any(parent):
+        orphans: Sequence[Page] = _NO_PAGES
+        anchors, index, spare, tpb = (
+            self._anchor_blocks,
+            self.index,
+            self._spare,
+            self._tokens_per_block,
+        )
+        for page in pages:
+            block = page.block
+            if block is None:
+                continue
+            group = page.layer_group
+            assert block[group] is page
+            block[group] = None
+            page.block = None
+            if block.ordinal >= anchors[group]:
+                self._prune_upwards(block)
+                continue
+            parent = block.parent
+            if parent is not None and block.kids is None and not any(block):
+                # A leaf with nothing left, the usual LRU victim: `_unlink` and `_retire` inline.
+                if parent.kids is block:
+                    parent.kids = None
+                else:
+                    _remove_child(parent, block)
+                if block.num_tokens < tpb:
+                    parent.num_partial_children -= 1
+                block.in_tree = False
+                del index[block.key]
+                block.parent = None
+                spare.append(block)
+                if parent.kids is None and not any(parent):
+                    self._prune_upwards(parent)
+                continue
+            lost: list[Page] = []
+            self._remove_subtree(block, lost)
+            if parent is not None:
                 self._prune_upwards(parent)
-            return _NO_PAGES
-        orphans: list[Page] = []
-        self._remove_subtree(block, orphans)
-        if parent is not None:
-            self._prune_upwards(parent)
+            orphans = [*orphans, *lost]
         return orphans
 
     def clear(self) -> list[Page]:

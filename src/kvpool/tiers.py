@@ -51,8 +51,8 @@ class StorageManager:
         # The page in each occupied slot, per level and pool group.
         self.pages = [[{} for _ in level.pool_groups] for level in self.levels]  # type: list[list[dict[int, Page]]]
         self.copier = Copier()
-        # Called when a committed page is dropped; returns pages that lost their block with it.
-        self.on_drop: Callable[[Page], Sequence[Page]] = lambda page: ()
+        # Called with dropped pages; returns the other pages that lost their block with them.
+        self.on_drop: Callable[[Sequence[Page]], Sequence[Page]] = lambda pages: ()
         self.num_dropped = 0
         self.num_moved = [0] * len(self.levels)  # pages that arrived at each level
         self.bytes_moved = [0] * len(self.levels)
@@ -277,23 +277,19 @@ class StorageManager:
 
     def _drop_all(self, pages: list[Page]) -> None:
         """`_drop` each page (one pool group, any levels), freeing slots one call per level."""
-        orphans: list[Page] = []
         freed: dict[int, list[Page]] = {}  # level -> pages
-        on_drop, queues = self.on_drop, self.queues
+        queues = self.queues
         for page in pages:
             if page.slot is None:
                 continue  # an earlier drop orphaned and freed it
             assert page.locks == 0 and page.holds == 0, page
             if page.queued:
                 queues[page.level][page.pool_group].remove(page)
-            if page.block is not None:
-                lost = on_drop(page)
-                if lost:
-                    orphans += lost
             group = freed.get(page.level)
             if group is None:
                 group = freed[page.level] = []
             group.append(page)
+        orphans = [self.on_drop(group) for group in freed.values()]
         for level, group in freed.items():
             pool_group = group[0].pool_group
             registry = self.pages[level][pool_group]
@@ -307,13 +303,14 @@ class StorageManager:
             self._spare_pages += group
             self.allocators[level][pool_group].release_multiple(slots)
             self.num_dropped += len(group)
-        for orphan in orphans:
-            self.settle(orphan)
+        for lost in orphans:
+            for orphan in lost:
+                self.settle(orphan)
 
     def _drop(self, page: Page) -> None:
         if page.queued:
             self.queues[page.level][page.pool_group].remove(page)
-        orphans = self.on_drop(page) if page.block is not None else ()
+        orphans = self.on_drop((page,)) if page.block is not None else ()
         self._free(page)
         self.num_dropped += 1
         for orphan in orphans:
