@@ -286,3 +286,40 @@ def test_window_slides_in_a_full_pool(manager, commits):
     assert sum(p is not None for p in cache.pages(0)) <= 4
     cache.close()
     hog.close()
+
+
+@pytest.mark.parametrize("chunks", [[1] * 70, [70], [5, 40, 1, 1, 23], [16, 16, 38], [3, 30, 37]])
+def test_block_keys_do_not_depend_on_how_tokens_are_committed(manager, chunks):
+    """Single-token commits, long commits (their blocks sliced from one encoding), blocks that
+    straddle two commits and digest (multimodal) tokens all give the same chained keys: a second
+    request reuses every full block of the first."""
+    m = manager(enable_partial_reuse=False)
+    tokens = [*range(100, 148), bytes(range(32)), *range(200, 210), bytes(32), *range(7, 17)]
+    assert len(tokens) == sum(chunks) == 70
+    first = m.create_kv_cache()
+    assert first.resume() and first.resize(70)
+    position = 0
+    for size in chunks:
+        first.commit(tokens[position : position + size])
+        position += size
+    first.close()
+    second = m.create_kv_cache(None, tokens)
+    assert second.num_committed_tokens == 64  # every full block
+    second.close()
+    only_ints = m.create_kv_cache(None, list(range(100, 170)))
+    assert only_ints.num_committed_tokens == 48  # the first three blocks have no digest
+    only_ints.close()
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**31], [1.5], [3, -1], [b"short"]])
+def test_invalid_tokens_are_refused_before_anything_changes(manager, bad):
+    m = manager()
+    cache = m.create_kv_cache()
+    assert cache.resume() and cache.resize(32)
+    cache.commit(range(10))
+    with pytest.raises(ArgumentError, match="token .* is invalid"):
+        cache.commit(bad)
+    assert cache.num_committed_tokens == 10
+    cache.commit(range(10, 32))  # still usable: the block keys are those of 0..31
+    cache.close()
+    assert m.create_kv_cache(None, list(range(33))).num_committed_tokens == 32

@@ -28,7 +28,15 @@ from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
 from kvpool.layout import AttentionLifeCycle, KVLayout
 from kvpool.page_table import PageTable
 from kvpool.pages import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Page
-from kvpool.radix import Block, Match, RadixTree, Token, block_key_of_encoded, encode_tokens
+from kvpool.radix import (
+    MAX_TOKEN,
+    Block,
+    Match,
+    RadixTree,
+    Token,
+    block_key_of_encoded,
+    encode_tokens,
+)
 
 if TYPE_CHECKING:
     from kvpool.tiers import StorageManager
@@ -85,7 +93,6 @@ class KVCache:
         # kept between calls.
         self._prev_key = scope_key
         self._tail: list[Token] = []  # committed tokens of the unfinished block
-        self._tail_bytes: bytearray | None = bytearray()  # their encoding, while all are ints
         self._attention = [
             (g, lc) for g, lc in enumerate(layout.life_cycles) if isinstance(lc, AttentionLifeCycle)
         ]
@@ -424,35 +431,36 @@ class KVCache:
                 f"cannot commit {count} tokens: {self._committed} are committed and the "
                 f"capacity is {self._capacity}"
             )
-        encoded = encode_tokens(tokens)  # validates before anything changes
         tail = self._tail
-        tail += tokens
-        # Keep the tail's bytes while every token is an int (4 bytes): no re-encoding per block.
-        tail_bytes = self._tail_bytes
-        if tail_bytes is not None:
-            if len(encoded) == 4 * count:
-                tail_bytes += encoded
-            else:
-                self._tail_bytes = None
+        encoded: bytes | None = None
+        if count == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN:
+            tail.append(tokens[0])  # a decode step: nothing to encode before the block is full
+        else:
+            encoded = encode_tokens(tokens)  # validates before anything changes
+            if len(encoded) != 4 * count:
+                encoded = None  # digest tokens: blocks are encoded one by one
+            tail += tokens
         self._committed = committed
         if len(tail) >= self._tpb:
-            self._commit_full_blocks()
+            self._commit_full_blocks(encoded, len(tail) - count)
         if committed > self._history:
             self._history = committed
         if _debug.DEBUG:
             self._ctx.check()
 
-    def _commit_full_blocks(self) -> None:
-        """Insert the tail's full blocks into the tree, in order; keep the rest as the tail."""
-        tail, data, tpb = self._tail, self._tail_bytes, self._tpb
+    def _commit_full_blocks(self, encoded: bytes | None, encoded_start: int) -> None:
+        """Insert the tail's full blocks into the tree, in order; keep the rest as the tail.
+        `encoded` (if not None) holds the tail's tokens from `encoded_start` on, 4 bytes each."""
+        tail, tpb = self._tail, self._tpb
         num_full = len(tail) // tpb
         first = (self._committed - len(tail)) // tpb
         parent = self._insertion_parent()
         keys, datas = [], []
         key = self._prev_key
         for start in range(0, num_full * tpb, tpb):
-            if data is not None:
-                block_data = bytes(data[4 * start : 4 * (start + tpb)])
+            if encoded is not None and start >= encoded_start:
+                offset = 4 * (start - encoded_start)
+                block_data = encoded[offset : offset + 4 * tpb]
             else:
                 block_data = encode_tokens(tail[start : start + tpb])
             key = sha256(key + block_data).digest()
@@ -461,10 +469,6 @@ class KVCache:
         self._prev_key = key
         exact = len(tail) == tpb * num_full  # the last block ends the commit (SSM snapshot)
         del tail[: num_full * tpb]
-        if not tail:
-            self._tail_bytes = bytearray()  # a digest token only affects its own block
-        elif data is not None:
-            del data[: 4 * num_full * tpb]
         if parent is None:
             return  # the previous block is not in the tree (any more): nothing to share under
         blocks, orphans = self._ctx.tree.insert_chain(parent, keys, datas)
@@ -614,8 +618,6 @@ class KVCache:
         if full_blocks:
             self._prev_key = match.blocks[full_blocks - 1].key
         self._tail = list(tokens[full_blocks * tpb : length])
-        encoded = encode_tokens(self._tail)
-        self._tail_bytes = bytearray(encoded) if len(encoded) == 4 * len(self._tail) else None
         self._capacity = self._history = self._committed = self.reused_length = length
 
     # -- page tables -----------------------------------------------------------------------------
