@@ -317,7 +317,7 @@ def test_invalid_tokens_are_refused_before_anything_changes(manager, bad):
     cache = m.create_kv_cache()
     assert cache.resume() and cache.resize(32)
     cache.commit(range(10))
-    with pytest.raises(ArgumentError, match="token .* is invalid"):
+    with pytest.raises(ArgumentError, match=r"token .* is invalid"):
         cache.commit(bad)
     assert cache.num_committed_tokens == 10
     cache.commit(range(10, 32))  # still usable: the block keys are those of 0..31
