@@ -53,6 +53,29 @@ class EvictionQueue:
         page.queued = True
         self._len += 1
 
+    def push_all(self, pages: list[Page]) -> None:
+        """`push` each page, in order."""
+        lists = self._lists
+        for page in pages:
+            assert not page.queued, page
+            bucket = lists.get(page.priority)
+            if bucket is None:
+                bucket = lists[page.priority] = OrderedDict()
+                bisect.insort(self._priorities, page.priority)
+            bucket[page] = None
+            page.queued = True
+        self._len += len(pages)
+
+    def remove_all(self, pages: list[Page]) -> None:
+        """`remove` each page (all queued here)."""
+        lists = self._lists
+        for page in pages:
+            del lists[page.priority][page]
+            page.queued = False
+        self._len -= len(pages)
+        for priority in [p for p in self._priorities if not lists[p]]:
+            self._forget(priority)
+
     def remove(self, page: Page) -> None:
         pages = self._lists[page.priority]
         del pages[page]

@@ -276,19 +276,19 @@ class StorageManager:
         self.migrate(victims[len(victims) - room :], level + 1)
 
     def _drop_all(self, pages: list[Page]) -> None:
-        """`_drop` each page (one pool group, any levels), freeing slots one call per level."""
+        """`_drop` each page (queued pages of one pool group, any levels), freeing slots one
+        call per level."""
         freed: dict[int, list[Page]] = {}  # level -> pages
-        queues = self.queues
         for page in pages:
             if page.slot is None:
                 continue  # an earlier drop orphaned and freed it
-            assert page.locks == 0 and page.holds == 0, page
-            if page.queued:
-                queues[page.level][page.pool_group].remove(page)
+            assert page.locks == 0 and page.holds == 0 and page.queued, page
             group = freed.get(page.level)
             if group is None:
                 group = freed[page.level] = []
             group.append(page)
+        for level, group in freed.items():
+            self.queues[level][group[0].pool_group].remove_all(group)
         orphans = [self.on_drop(group) for group in freed.values()]
         for level, group in freed.items():
             pool_group = group[0].pool_group
@@ -507,15 +507,30 @@ class StorageManager:
 
     def unlock_all(self, pages: Iterable[Page]) -> None:
         """`unlock` each page, in order (the order they become evictable in)."""
+        cached: list[Page] = []  # unowned now, in the tree, at the GPU level: evictable
         for page in pages:
             assert page.locks > 0, page
             page.locks -= 1
             if page.locks:
                 continue
-            if not page.holds and page.block is not None and not page.queued:
-                self.queues[page.level][page.pool_group].push(page)  # cached: evictable now
+            if not page.holds and page.block is not None and not page.queued and not page.level:
+                cached.append(page)
             else:
+                if cached:  # keep the order
+                    self._push_all(cached)
+                    cached = []
                 self.settle(page)
+        if cached:
+            self._push_all(cached)
+
+    def _push_all(self, pages: list[Page]) -> None:
+        queues = self.queues[0]
+        pool_group = pages[0].pool_group
+        if all(page.pool_group == pool_group for page in pages):
+            queues[pool_group].push_all(pages)
+        else:
+            for page in pages:
+                queues[page.pool_group].push(page)
 
     def hold(self, page: Page) -> None:
         page.holds += 1
