@@ -505,10 +505,11 @@ class RadixTree:
         return orphans
 
     def clear(self) -> list[Page]:
-        """Remove every block; return their pages."""
+        """Remove every block (and drop the spare ones); return their pages."""
         orphans: list[Page] = []
         for root in list(self.roots.values()):
             self._remove_subtree(root, orphans)
+        self._spare = []
         return orphans
 
     def _remove_subtree(self, top: Block, orphans: list[Page]) -> None:

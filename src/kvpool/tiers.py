@@ -558,3 +558,7 @@ class StorageManager:
         for level in self.levels:
             level.close()
         self.levels = []
+        self.allocators = []
+        self.queues = []
+        self.pages = []
+        self._spare_pages = []
