@@ -406,7 +406,10 @@ class KVCache:
     def _grow(self, count: int) -> bool:
         """Append `count` new blocks to every attention layer group (all or nothing)."""
         storage = self._ctx.storage
-        if not storage.reserve(GPU_LEVEL, [count * n for n in self._attention_per_pool]):
+        per_pool = self._attention_per_pool
+        if not storage.reserve(
+            GPU_LEVEL, per_pool if count == 1 else [count * n for n in per_pool]
+        ):
             return False
         for g, pool_group in self._attention_pools:
             self._table.extend(g, storage.new_pages(GPU_LEVEL, pool_group, g, count, locks=1))

@@ -73,8 +73,9 @@ class EvictionQueue:
             del lists[page.priority][page]
             page.queued = False
         self._len -= len(pages)
-        for priority in [p for p in self._priorities if not lists[p]]:
-            self._forget(priority)
+        for priority in tuple(self._priorities):
+            if not lists[priority]:
+                self._forget(priority)
 
     def remove(self, page: Page) -> None:
         pages = self._lists[page.priority]

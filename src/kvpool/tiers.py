@@ -109,19 +109,16 @@ class StorageManager:
         allocator = self.allocators[level][pool_group]
         if allocator.num_free_slots < count:
             self.make_room(level, pool_group, count)
-        slots = allocator.allocate_multiple(count)
-        spare = self._spare_pages
-        reused = spare[len(spare) - min(count, len(spare)) :]
-        del spare[len(spare) - len(reused) :]
-        for page, slot in zip(reused, slots, strict=False):
-            page.reset(slot, level, pool_group, layer_group, locks)
-        pages = reused
-        pages += [
-            Page(slot, level, pool_group, layer_group, locks) for slot in slots[len(reused) :]
-        ]
-        owners = self.pages[level][pool_group]
-        for page in pages:
-            owners[page.slot.slot_id] = page  # type: ignore[union-attr]
+        spare, owners = self._spare_pages, self.pages[level][pool_group]
+        pages = []
+        for slot in allocator.allocate_multiple(count):
+            if spare:
+                page = spare.pop()
+                page.reset(slot, level, pool_group, layer_group, locks)
+            else:
+                page = Page(slot, level, pool_group, layer_group, locks)
+            owners[slot.slot_id] = page
+            pages.append(page)
         return pages
 
     def make_room(
@@ -287,9 +284,10 @@ class StorageManager:
             if group is None:
                 group = freed[page.level] = []
             group.append(page)
+        orphans = []
         for level, group in freed.items():
             self.queues[level][group[0].pool_group].remove_all(group)
-        orphans = [self.on_drop(group) for group in freed.values()]
+            orphans.append(self.on_drop(group))
         for level, group in freed.items():
             pool_group = group[0].pool_group
             registry = self.pages[level][pool_group]

@@ -146,7 +146,9 @@ class SlotAllocator:
                 break
             waiting[0].ready_event = None
             recycled.append(waiting.popleft())
-        if count < len(recycled):
+        if count == 1 and recycled:
+            taken = [recycled.popleft()]
+        elif count < len(recycled):
             popleft = recycled.popleft
             taken = [popleft() for _ in range(count)]
         else:
