@@ -52,6 +52,9 @@ class KVCacheStatus(Enum):
     CLOSED = "closed"
 
 
+_ACTIVE = KVCacheStatus.ACTIVE  # (a module constant: checked on every step)
+
+
 @dataclass
 class CacheContext:
     """What a request needs from its manager (so the cache does not depend on the manager)."""
@@ -304,7 +307,7 @@ class KVCache:
         """Reserve blocks for `capacity` tokens and advance the history. All or nothing: returns
         False, with nothing changed, when the pages cannot be found even by eviction.
         Blocks that fall out of a sliding window are released (sink blocks stay)."""
-        if self._status is not KVCacheStatus.ACTIVE:
+        if self._status is not _ACTIVE:
             self._require_active("resize")
         history = self._history if history_length is None else history_length
         if type(capacity) is not int or capacity < 0:  # bool is not accepted either
@@ -320,11 +323,11 @@ class KVCache:
         self._num_resizes += 1
         tpb = self._tpb
         old_blocks, new_blocks = -(-self._capacity // tpb), -(-capacity // tpb)
+        stale: list[tuple[int, tuple[int, int]]] | tuple[()] = ()
+        unchanged = True
         if self._windowed:
             stale = [(g, lc.stale_range(history, tpb)) for g, lc in self._windowed]
             unchanged = all(end <= self._released_end[g] for g, (_, end) in stale)
-        else:
-            stale, unchanged = [], True
         if unchanged:  # nothing leaves a window: the common case, kept short
             if new_blocks > old_blocks and not self._grow(new_blocks - old_blocks):
                 return False
@@ -421,7 +424,7 @@ class KVCache:
         """Make the next `tokens` (whose KV is written) final. Every block they fill goes into
         the radix tree; if an identical block is already there, this request switches to the
         tree's pages and frees its own."""
-        if self._status is not KVCacheStatus.ACTIVE:
+        if self._status is not _ACTIVE:
             self._require_active("commit")
         if not self._committing:
             raise LogicError("cannot commit tokens after stop_committing()")
