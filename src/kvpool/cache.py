@@ -165,9 +165,7 @@ class KVCache:
         for g in self._ssm:
             if self._pages[g][0] is None:
                 extra[layout.pool_group_of[g]] += 1
-        for page in ours:  # locked pages are never evicted: ours stay put while we make room
-            storage.lock(page)
-            storage.unhold(page)
+        storage.lock_held(ours)  # locked pages are never evicted: ours stay put while we make room
         moved = False
         try:
             moved = storage.bring_to(ours, GPU_LEVEL, extra)

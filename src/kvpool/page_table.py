@@ -98,9 +98,9 @@ class PageTable:
     def refresh(self) -> None:
         """Rewrite the slot ids from the pages (they change when pages move)."""
         for g, pages in enumerate(self.pages):
-            table = self.tables[g]
-            for index, page in enumerate(pages):
-                table[index] = BAD_PAGE_INDEX if page is None else page.slot_id
+            self.tables[g][: len(pages)] = [
+                BAD_PAGE_INDEX if page is None else page.slot_id for page in pages
+            ]
         self.version += 1
 
     def base_indices(self, g: int) -> npt.NDArray[np.int32]:

@@ -536,10 +536,40 @@ class StorageManager:
             self.settle(page)
 
     def hold_all(self, pages: Iterable[Page]) -> None:
+        """`hold` each page (at the last level a held page is not evictable: it leaves its
+        queue, in one batch per queue)."""
+        leaving: dict[EvictionQueue, list[Page]] = {}
+        last = self._last_level
         for page in pages:
             page.holds += 1
-            if not page.locks:
+            if page.locks:
+                continue
+            if page.level == last and page.queued:
+                queue = self.queues[page.level][page.pool_group]
+                batch = leaving.get(queue)
+                if batch is None:
+                    batch = leaving[queue] = []
+                batch.append(page)
+            else:
                 self.settle(page)
+        for queue, batch in leaving.items():
+            queue.remove_all(batch)
+
+    def lock_held(self, pages: Iterable[Page]) -> None:
+        """Turn one hold of each page into a lock (a locked page is never queued)."""
+        leaving: dict[EvictionQueue, list[Page]] = {}
+        for page in pages:
+            assert page.holds > 0, page
+            page.holds -= 1
+            page.locks += 1
+            if page.queued:
+                queue = self.queues[page.level][page.pool_group]
+                batch = leaving.get(queue)
+                if batch is None:
+                    batch = leaving[queue] = []
+                batch.append(page)
+        for queue, batch in leaving.items():
+            queue.remove_all(batch)
 
     def unhold(self, page: Page) -> None:
         assert page.holds > 0, page
