@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from kvpool import _debug
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
-from kvpool.layout import AttentionLifeCycle, KVLayout
+from kvpool.layout import KVLayout
 from kvpool.page_table import PageTable
 from kvpool.pages import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Page
 from kvpool.radix import (
@@ -96,19 +96,13 @@ class KVCache:
         # kept between calls.
         self._prev_key = scope_key
         self._tail: list[Token] = []  # committed tokens of the unfinished block
-        self._attention = [
-            (g, lc) for g, lc in enumerate(layout.life_cycles) if isinstance(lc, AttentionLifeCycle)
-        ]
-        self._attention_groups = [g for g, _ in self._attention]
-        self._attention_pools = [(g, layout.pool_group_of[g]) for g in self._attention_groups]
-        self._attention_per_pool = [0] * layout.num_pool_groups
-        for _, pool_group in self._attention_pools:
-            self._attention_per_pool[pool_group] += 1
-        self._windowed = [(g, lc) for g, lc in self._attention if lc.window is not None]
-        self._ssm = [
-            g for g, lc in enumerate(layout.life_cycles) if not isinstance(lc, AttentionLifeCycle)
-        ]
-        self._table = PageTable(len(layout.life_cycles), set(self._ssm))
+        self._attention = layout.attention
+        self._attention_groups = [g for g, _ in layout.attention_pools]
+        self._attention_pools = layout.attention_pools
+        self._attention_per_pool = layout.attention_per_pool
+        self._windowed = layout.windowed
+        self._ssm = layout.ssm_groups
+        self._table = PageTable(len(layout.life_cycles), self._ssm)
         self._pages = self._table.pages  # per layer group: the page of each block (or SSM state)
         self._released_end = [0] * len(self._pages)  # stale blocks below this are released
         # Shared pages to copy into private ones on first resume: (layer group, block, page).

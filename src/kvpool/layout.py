@@ -143,6 +143,18 @@ class KVLayout:
         ]
         distinct = list(dict.fromkeys(slot_layouts))
         self.pool_group_of: list[int] = [distinct.index(slots) for slots in slot_layouts]
+        # Layer groups by kind, and attention layer groups per pool group (read per request).
+        self.attention: tuple[tuple[int, AttentionLifeCycle], ...] = tuple(
+            (g, lc) for g, lc in enumerate(self.life_cycles) if isinstance(lc, AttentionLifeCycle)
+        )
+        self.attention_pools = tuple((g, self.pool_group_of[g]) for g, _ in self.attention)
+        self.windowed = tuple((g, lc) for g, lc in self.attention if lc.window is not None)
+        self.ssm_groups = tuple(
+            g for g, lc in enumerate(self.life_cycles) if not isinstance(lc, AttentionLifeCycle)
+        )
+        self.attention_per_pool = [0] * len(distinct)
+        for g, _ in self.attention:
+            self.attention_per_pool[self.pool_group_of[g]] += 1
         self.pool_groups: list[PoolGroupLayout] = [
             PoolGroupLayout(
                 slot_sizes=slots,

@@ -3,6 +3,8 @@ that attention kernels read (grown by doubling, updated in place, never rebuilt 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 import numpy.typing as npt
 
@@ -14,7 +16,7 @@ class PageTable:
     """`pages[g][block]` and `tables[g][block]` (its slot id, -1 where none) per layer group;
     an SSM layer group has one entry, the live state."""
 
-    def __init__(self, num_layer_groups: int, ssm_groups: set[int]) -> None:
+    def __init__(self, num_layer_groups: int, ssm_groups: Collection[int]) -> None:
         self._ssm_groups = ssm_groups
         self.pages: list[list[Page | None]] = [
             [None] if g in ssm_groups else [] for g in range(num_layer_groups)
