@@ -2,12 +2,14 @@
 
 import errno
 import os
+import threading
 
 import numpy as np
 import pytest
 
 from kvpool.config import CacheTier
 from kvpool.errors import StorageError
+from kvpool.storage import copier as copier_module
 from kvpool.storage.copier import Copier, contiguous, runs
 from kvpool.storage.pools import LevelStorage
 
@@ -44,15 +46,16 @@ def test_runs_and_contiguous_pieces():
 PAIRS = [(7, 20), (0, 10), (1, 11), (2, 12), (5, 13), (6, 14)]
 
 
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 20])  # in worker threads; in the caller's
 @pytest.mark.parametrize(
     ("src_tier", "dst_tier"),
     [("host", "host"), ("host", "disk"), ("disk", "host"), ("disk", "disk")],
 )
-def test_every_route_copies_the_bytes(tmp_path, src_tier, dst_tier):
+def test_every_route_copies_the_bytes(tmp_path, src_tier, dst_tier, inline_bytes):
     tiers = {"host": CacheTier.HOST, "disk": CacheTier.DISK}
     source, destination = level(tiers[src_tier], tmp_path), level(tiers[dst_tier], tmp_path)
     fill(source.pool_groups[0], range(8), seed=5)
-    copier = Copier()
+    copier = Copier(inline_bytes=inline_bytes)
     event = copier.copy(source.pool_groups[0], destination.pool_groups[0], PAIRS)
     assert event.wait() and event.is_set()
     event.check()
@@ -98,15 +101,36 @@ def test_disk_to_host_is_one_preadv_per_source_run(tmp_path, monkeypatch):
     check(source.pool_groups[0], destination.pool_groups[0], PAIRS, seed=2)
 
 
-def test_a_failed_copy_raises_on_check(tmp_path, monkeypatch):
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 20])
+def test_a_failed_copy_raises_on_check(tmp_path, monkeypatch, inline_bytes):
     source, destination = level(CacheTier.HOST), level(CacheTier.DISK, tmp_path)
 
     def failing(fd, buffers, offset):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(os, "pwritev", failing)
-    event = Copier().copy(source.pool_groups[0], destination.pool_groups[0], PAIRS)
+    copier = Copier(inline_bytes=inline_bytes)
+    event = copier.copy(source.pool_groups[0], destination.pool_groups[0], PAIRS)
     assert event.wait()  # waiting never raises
     with pytest.raises(StorageError, match="Input/output error") as caught:
         event.check()
     assert caught.value.errno == errno.EIO
+
+
+def test_small_copies_run_in_the_callers_thread_large_ones_in_workers(monkeypatch):
+    source, destination = level(CacheTier.HOST), level(CacheTier.HOST)
+    threads = []
+    real = copier_module._copy_pool
+
+    def recording(*args):
+        threads.append(threading.current_thread())
+        real(*args)
+
+    monkeypatch.setattr(copier_module, "_copy_pool", recording)
+    copier = Copier(inline_bytes=len(PAIRS) * sum(SLOTS[0]))  # exactly this batch
+    copier.copy(source.pool_groups[0], destination.pool_groups[0], PAIRS).check()
+    assert threads == [threading.current_thread()] * 2  # both pools, here
+    threads.clear()
+    copier.copy(source.pool_groups[0], destination.pool_groups[0], [*PAIRS, (3, 30)]).check()
+    assert len(threads) == 2 and threading.current_thread() not in threads
+    copier.close()

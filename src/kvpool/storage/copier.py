@@ -23,11 +23,15 @@ from kvpool.storage.pools import PoolGroup
 class CopyEvent:
     """Completion of one batched copy. `wait()` only waits; `check()` raises the copy's error."""
 
-    def __init__(self, futures: Sequence[Future[None]]) -> None:
+    def __init__(self, futures: Sequence[Future[None]], error: BaseException | None = None) -> None:
         self._futures = list(futures)
+        self._error = error  # of a copy already done in the caller's thread
+        self._done = not self._futures
 
     def is_set(self) -> bool:
-        return all(future.done() for future in self._futures)
+        if not self._done:
+            self._done = all(future.done() for future in self._futures)
+        return self._done
 
     def wait(self, timeout: float | None = None) -> bool:
         for future in self._futures:
@@ -39,8 +43,8 @@ class CopyEvent:
 
     def check(self) -> None:
         """Wait, then raise `StorageError` if any part of the copy failed."""
-        for future in self._futures:
-            error = future.exception()
+        errors = [future.exception() for future in self._futures]
+        for error in [self._error, *errors]:
             if error is not None:
                 if isinstance(error, StorageError):
                     raise error
@@ -86,11 +90,15 @@ def _host_array(memory: Memory) -> Bytes | None:
     return None
 
 
-class Copier:
-    """Runs batched slot copies in a small thread pool."""
+INLINE_COPY_BYTES = 64 << 10  # smaller copies run in the caller's thread
 
-    def __init__(self, workers: int = 4) -> None:
+
+class Copier:
+    """Runs batched slot copies in a small thread pool (small ones in the caller's thread)."""
+
+    def __init__(self, workers: int = 4, inline_bytes: int = INLINE_COPY_BYTES) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvpool-copy")
+        self._inline_bytes = inline_bytes
 
     def copy(
         self, source: PoolGroup, destination: PoolGroup, pairs: Sequence[tuple[int, int]]
@@ -98,11 +106,18 @@ class Copier:
         """Copy slot `s` of `source` to slot `d` of `destination` for every (s, d), all pools."""
         if not pairs:
             return CopyEvent([])
+        work = zip(source.memories, destination.memories, source.slot_sizes, strict=True)
+        if len(pairs) * sum(source.slot_sizes) <= self._inline_bytes:
+            # Handing a small copy to a thread costs more than the copy: do it here.
+            try:
+                for src_memory, dst_memory, size in work:
+                    _copy_pool(src_memory, dst_memory, size, pairs)
+            except Exception as error:  # reported by check(), as a thread's would be
+                return CopyEvent([], error)
+            return CopyEvent([])
         futures = [
             self._pool.submit(_copy_pool, src_memory, dst_memory, size, pairs)
-            for src_memory, dst_memory, size in zip(
-                source.memories, destination.memories, source.slot_sizes, strict=True
-            )
+            for src_memory, dst_memory, size in work
         ]
         return CopyEvent(futures)
 
