@@ -361,16 +361,30 @@ class StorageManager:
             self.pages[source_level][pool_group],
             self.pages[level][pool_group],
         )
+        queued = [page for page in batch if page.queued]
+        if queued:
+            self.queues[source_level][pool_group].remove_all(queued)
+        old_slots = []
         for page, slot in zip(batch, slots, strict=True):
-            if page.queued:
-                self.queues[source_level][pool_group].remove(page)
-            assert page.slot is not None
-            del source_pages[page.slot_id]
-            source_group.allocator.release(page.slot, ready_event=event)
+            old = page.slot
+            assert old is not None
+            del source_pages[old.slot_id]
+            old_slots.append(old)
             slot.ready_event = event
             page.slot, page.level = slot, level
             target_pages[slot.slot_id] = page
-            self.settle(page)
+        source_group.allocator.release_multiple(old_slots, ready_event=event)
+        evictable = []  # `settle` each page, queueing in one batch
+        for page in batch:
+            if (
+                not page.locks
+                and (page.holds or page.block is not None)
+                and (level != self._last_level or not page.holds)
+            ):
+                evictable.append(page)
+            else:
+                self.settle(page)
+        self.queues[level][pool_group].push_all(evictable)
         if source_level != level:
             self.num_moved[level] += len(batch)
             self.bytes_moved[level] += len(batch) * sum(source_group.slot_sizes)
