@@ -376,11 +376,7 @@ class StorageManager:
         source_group.allocator.release_multiple(old_slots, ready_event=event)
         evictable = []  # `settle` each page, queueing in one batch
         for page in batch:
-            if (
-                not page.locks
-                and (page.holds or page.block is not None)
-                and (level != self._last_level or not page.holds)
-            ):
+            if self.is_evictable(page):
                 evictable.append(page)
             else:
                 self.settle(page)
