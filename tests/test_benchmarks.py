@@ -1,0 +1,40 @@
+"""The peer-comparison benchmark runs end to end on a tiny size (no timing is asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT.parent / "shared" / "bench" / "peers"
+
+
+@pytest.mark.skipif(not (PEERS / "workload.py").is_file(), reason="needs ../shared/bench/peers")
+def test_bench_manager_runs_the_peer_workloads_and_hits_like_vllm():
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_manager.py"),
+        *("--runs", "1", "--num-requests", "24", "--churn-iters", "5"),
+        *("--churn-sizes", "10,100", "--layouts", "full,hybrid,tiers"),
+    ]
+    env = dict(os.environ, KVPOOL_DEBUG="1")  # the benchmark turns the checker off itself
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+    report = json.loads(done.stdout)["medians"]
+    assert set(report["a"]) == {"10", "100"}
+    assert all(result["cycle_us"] > 0 for result in report["a"].values())
+    sys.path.insert(0, str(PEERS))
+    try:
+        import workload
+    finally:
+        sys.path.remove(str(PEERS))
+    requests = workload.make_prefix_workload(num_requests=24)
+    for key in ("b", "b_hybrid", "b_tiers"):
+        result = report[key]
+        assert result["request_steps"] == 24 * requests.params["decode_len"]
+        # vLLM's hits on this workload: full blocks of every prefix seen before, never the last
+        # prompt token (a pool of 32,768 blocks evicts nothing for 24 requests).
+        assert result["prefix_hit_tokens"] == requests.ideal_hit_tokens() > 0
+    assert report["b_tiers"]["slots_per_level"] == [[32768], [32768], [65536]]
