@@ -1,6 +1,7 @@
 """kvpool on the peers' workloads (../shared/bench/peers/workload.py), through the public API.
 
-(a) block churn: from a pool group of exactly 100,000 slots, allocate N slots then free them
+(a) block churn: from a `SlotAllocator` of 100,000 slots (the allocator of one pool group at
+    one level, which every page allocation goes through), allocate N slots then free them
     (N = 10, 100, 1000; 1,000 cycles after 20 warm-up cycles), like the peers' BlockPool churn.
 (b) scheduler cycle: the peers' 2,000 seeded requests (16-token blocks, 70% share one of 20
     1,024-token system prefixes, prompts 512-4,096 tokens, 128 output tokens), a continuous
@@ -43,6 +44,7 @@ from kvpool import (
     KVCacheManagerConfig,
 )
 from kvpool.replay.prefix import exact_block_config
+from kvpool.storage.slots import SlotAllocator
 
 DEFAULT_PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "peers"
 WARMUP_CYCLES = 20
@@ -67,9 +69,7 @@ def churn(pool_blocks: int, sizes: list[int], cycles: int) -> dict[str, dict[str
     clock = time.perf_counter_ns
     for n in sizes:
         gc.collect()
-        manager = KVCacheManager(exact_block_config(pool_blocks, 16))
-        allocator = manager.level_storage(0).pool_groups[0].allocator
-        assert allocator.capacity == pool_blocks
+        allocator = SlotAllocator(pool_blocks)
         for _ in range(WARMUP_CYCLES):
             allocator.release_multiple(allocator.allocate_multiple(n))
         alloc_ns = free_ns = 0
@@ -84,7 +84,6 @@ def churn(pool_blocks: int, sizes: list[int], cycles: int) -> dict[str, dict[str
             free_ns += t3 - t2
         loop_ns = clock() - start
         assert allocator.num_free_slots == pool_blocks
-        manager.shutdown()
         out[str(n)] = {
             "blocks_per_call": n,
             "iterations": cycles,
