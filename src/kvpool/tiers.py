@@ -88,9 +88,17 @@ class StorageManager:
         """Make `counts[pg]` slots free per pool group at `level` (by cascading eviction), or
         return False with nothing changed."""
         plans = []
-        allocators = self.allocators[level]
+        allocators, queues = self.allocators[level], self.queues[level]
         for pool_group, count in enumerate(counts):
-            if count > allocators[pool_group].num_free_slots:
+            missing = count - allocators[pool_group].num_free_slots
+            if missing <= 0:
+                continue
+            if level == self._last_level:  # dropping the oldest pages is all eviction can do
+                victims = queues[pool_group].oldest(missing)
+                if len(victims) < missing:
+                    return False
+                plans.append(_Plan(count, victims))
+            else:
                 plan = self._plan(level, pool_group, count, count)
                 if plan is None:
                     return False
