@@ -105,6 +105,7 @@ class KVCache:
         self._table = PageTable(len(layout.life_cycles), self._ssm)
         self._pages = self._table.pages  # per layer group: the page of each block (or SSM state)
         self._released_end = [0] * len(self._pages)  # stale blocks below this are released
+        self._window_check = 0  # below this history length no window lets a block go
         # Shared pages to copy into private ones on first resume: (layer group, block, page).
         # The block is -1 for an SSM state snapshot.
         self._deferred: list[tuple[int, int, Page]] = []
@@ -317,9 +318,11 @@ class KVCache:
         old_blocks, new_blocks = -(-self._capacity // tpb), -(-capacity // tpb)
         stale: list[tuple[int, tuple[int, int]]] | tuple[()] = ()
         unchanged = True
-        if self._windowed:
+        if self._windowed and history >= self._window_check:
             stale = [(g, lc.stale_range(history, tpb)) for g, lc in self._windowed]
             unchanged = all(end <= self._released_end[g] for g, (_, end) in stale)
+            if unchanged:
+                self._window_check = self._next_window_check()
         if unchanged:  # nothing leaves a window: the common case, kept short
             if new_blocks > old_blocks and not self._grow(new_blocks - old_blocks):
                 return False
@@ -393,10 +396,20 @@ class KVCache:
         for g, (_, end) in stale:
             if end > self._released_end[g]:
                 self._released_end[g] = end
+        self._window_check = self._next_window_check()
         self._capacity, self._history = capacity, history
         if _debug.DEBUG:
             self._ctx.check()
         return True
+
+    def _next_window_check(self) -> int:
+        """The least history length at which a sliding window may let a block beyond the
+        released ones go (`stale_range`'s end passes them: h + 1 - w >= (released + 1) * tpb)."""
+        check = 2**63
+        for g, lc in self._windowed:
+            assert lc.window is not None
+            check = min(check, (self._released_end[g] + 1) * self._tpb + lc.window - 1)
+        return check
 
     def _grow(self, count: int) -> bool:
         """Append `count` new blocks to every attention layer group (all or nothing)."""
