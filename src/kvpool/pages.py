@@ -4,6 +4,9 @@ A page's status is derived from its owners: requests that are running *lock* it 
 the GPU), suspended requests *hold* it (it may move to a colder level but is never dropped).
 A page attached to a radix-tree block is *committed*: immutable and shareable; when nobody owns it
 any more it stays cached and becomes evictable. An uncommitted page nobody owns is freed at once.
+
+The storage manager reuses the Page object of a freed page for a later one (`reset`), so nothing
+may keep a page after it is freed; nothing in kvpool does (owners, blocks and queues let go first).
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ tokens, so they must stay collision resistant (256 bits).
 The tree never owns pages: it points at each block's page per layer group, and the requests
 (locks, holds) and the eviction queues decide their lifetime. When a page is dropped, the tree
 removes what became unreachable and returns the pages that lost their block.
+
+Since a key names a block and its whole prefix, the tree also indexes its blocks by key: lookups
+need no walk, and requests keep keys, never blocks, between calls. So a block that leaves the
+tree is reused for a later one: the engine's steady state creates no tree objects.
 """
 
 from __future__ import annotations
