@@ -384,6 +384,25 @@ AllocatorModel.TestCase.settings = settings(max_examples=150, stateful_step_coun
 TestAllocatorModel = AllocatorModel.TestCase
 
 
+class AllocatorWithHandlesModel(AllocatorModel):
+    """The same model, with every slot handle made up front (as for the GPU level)."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocator = SlotAllocator(12, make_handles=True)
+
+    @invariant()
+    def one_handle_per_id(self):
+        a = self.allocator
+        assert [slot.slot_id for slot in a._slots] == list(range(a.capacity))
+        assert all(slot.released for slot in a._slots[a.num_active_slots :])
+        a.check_invariants()
+
+
+AllocatorWithHandlesModel.TestCase.settings = AllocatorModel.TestCase.settings
+TestAllocatorWithHandlesModel = AllocatorWithHandlesModel.TestCase
+
+
 def test_waiting_slot_whose_use_finished_is_recycled_before_fresh_ids():
     allocator = SlotAllocator(4)
     first, second = allocator.allocate_multiple(2)

@@ -131,8 +131,13 @@ class PoolGroup:
     """The pools of one slot layout at one level: one memory per pool, one slot allocator."""
 
     def __init__(
-        self, slot_sizes: Sequence[int], num_slots: int, make_memory: MemoryFactory
+        self,
+        slot_sizes: Sequence[int],
+        num_slots: int,
+        make_memory: MemoryFactory,
+        make_handles: bool = False,
     ) -> None:
+        """`make_handles`: the allocator makes its slot handles now (see `SlotAllocator`)."""
         self.slot_sizes = tuple(slot_sizes)
         self.memories: list[Memory] = []
         try:
@@ -141,7 +146,7 @@ class PoolGroup:
         except BaseException:
             self.close()
             raise
-        self.allocator = SlotAllocator(num_slots)
+        self.allocator = SlotAllocator(num_slots, make_handles)
 
     @property
     def num_slots(self) -> int:
@@ -241,7 +246,9 @@ class LevelStorage:
         self.pool_groups: list[PoolGroup] = []
         try:
             for sizes, count in zip(slot_sizes, counts, strict=True):
-                self.pool_groups.append(PoolGroup(sizes, count, self._make_memory))
+                self.pool_groups.append(
+                    PoolGroup(sizes, count, self._make_memory, tier is CacheTier.GPU)
+                )
         except BaseException:
             self.close()
             raise

@@ -57,7 +57,9 @@ class Slot:
 class SlotAllocator:
     """Slot ids [0, capacity) of one pool group at one level, with scheduled shrink and expand."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, make_handles: bool = False) -> None:
+        """`make_handles`: make every slot handle now (and on expand), not when its id is first
+        issued (for the GPU level: its engine loop then creates no objects from the start)."""
         _check_int("capacity", capacity, 0, None)
         self._capacity = capacity
         self._target = capacity
@@ -67,7 +69,9 @@ class SlotAllocator:
         self._recycled: deque[Slot] = deque()
         self._waiting: deque[Slot] = deque()
         self._overflow: list[Slot] = []
-        self._slots: list[Slot] = []  # the handle of each id below the high-water mark
+        self._make_handles = make_handles
+        # The handle of each id below the high-water mark (of every id, with `make_handles`).
+        self._slots: list[Slot] = list(map(Slot, range(capacity))) if make_handles else []
         self._num_occupied = 0
 
     # -- queries ---------------------------------------------------------------------------------
@@ -157,8 +161,9 @@ class SlotAllocator:
             if count > len(taken):
                 fresh = min(count - len(taken), self._target - self._num_active)
                 first = self._num_active
-                self._slots += map(Slot, range(first, first + fresh))
-                taken += self._slots[first:]
+                if len(self._slots) < first + fresh:
+                    self._slots += map(Slot, range(len(self._slots), first + fresh))
+                taken += self._slots[first : first + fresh]
                 self._num_active += fresh
                 taken += [waiting.popleft() for _ in range(count - len(taken))]
         for slot in taken:
@@ -285,6 +290,8 @@ class SlotAllocator:
         if self.shrink_in_progress:
             raise LogicError(f"cannot expand while a shrink to {self._target} is in progress")
         _check_int("new_capacity", new_capacity, self._capacity + 1, None)
+        if self._make_handles:
+            self._slots += map(Slot, range(len(self._slots), new_capacity))
         self._capacity = self._target = new_capacity
         if _debug.DEBUG:
             self.check_invariants()
@@ -297,9 +304,12 @@ class SlotAllocator:
         problems = []
         if not 0 <= target <= capacity or not 0 <= active <= capacity:
             problems.append(f"target {target}, active {active}, capacity {capacity}")
-        slots = self._slots
-        if len(slots) != active or any(slot.slot_id != i for i, slot in enumerate(slots)):
-            problems.append(f"{len(slots)} slot handles for a high-water mark of {active}")
+        handles = len(self._slots)
+        if handles != (capacity if self._make_handles else active):
+            problems.append(f"{handles} slot handles for a high-water mark of {active}")
+        slots = self._slots[:active]  # ids above it were never handed out
+        if any(slot.slot_id != i for i, slot in enumerate(slots)):
+            problems.append("a slot handle has the wrong id")
         occupied = np.fromiter((not slot.released for slot in slots), dtype=bool, count=len(slots))
         if int(np.count_nonzero(occupied)) != self._num_occupied:
             problems.append(
