@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvpool.errors import CorruptedError, OutOfPagesError
 from kvpool.eviction import EvictionQueue
-from kvpool.pages import Page
+from kvpool.pages import DEFAULT_PRIORITY, Page
 from kvpool.storage.copier import Copier
 from kvpool.storage.memory import Bytes
 from kvpool.storage.pools import LevelStorage
@@ -121,8 +121,10 @@ class StorageManager:
         pages = []
         for slot in allocator.allocate_multiple(count):
             if spare:
-                page = spare.pop()
-                page.reset(slot, level, pool_group, layer_group, locks)
+                page = spare.pop()  # `Page.reset`, inlined (once per page)
+                page.slot, page.level, page.pool_group = slot, level, pool_group
+                page.layer_group, page.block, page.locks = layer_group, None, locks
+                page.holds, page.priority, page.queued = 0, DEFAULT_PRIORITY, False
             else:
                 page = Page(slot, level, pool_group, layer_group, locks)
             owners[slot.slot_id] = page
