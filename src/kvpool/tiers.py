@@ -87,7 +87,7 @@ class StorageManager:
     def reserve(self, level: int, counts: Sequence[int]) -> bool:
         """Make `counts[pg]` slots free per pool group at `level` (by cascading eviction), or
         return False with nothing changed."""
-        plans = []
+        plans, drops = [], []
         allocators, queues = self.allocators[level], self.queues[level]
         for pool_group, count in enumerate(counts):
             missing = count - allocators[pool_group].num_free_slots
@@ -97,12 +97,14 @@ class StorageManager:
                 victims = queues[pool_group].oldest(missing)
                 if len(victims) < missing:
                     return False
-                plans.append(_Plan(count, victims))
+                drops.append(victims)
             else:
                 plan = self._plan(level, pool_group, count, count)
                 if plan is None:
                     return False
                 plans.append(plan)
+        for victims in drops:
+            self._drop_all(victims)
         for plan in plans:
             self._execute(plan)
         return True
@@ -283,37 +285,35 @@ class StorageManager:
         self.migrate(victims[len(victims) - room :], level + 1)
 
     def _drop_all(self, pages: list[Page]) -> None:
-        """`_drop` each page (queued pages of one pool group, any levels), freeing slots one
-        call per level."""
-        freed: dict[int, list[Page]] = {}  # level -> pages
+        """`_drop` each page (queued pages of one pool group, any levels)."""
+        by_level: dict[int, list[Page]] = {}
         for page in pages:
-            if page.slot is None:
-                continue  # an earlier drop orphaned and freed it
-            assert page.locks == 0 and page.holds == 0 and page.queued, page
-            group = freed.get(page.level)
-            if group is None:
-                group = freed[page.level] = []
-            group.append(page)
-        orphans = []
-        for level, group in freed.items():
-            self.queues[level][group[0].pool_group].remove_all(group)
-            orphans.append(self.on_drop(group))
-        for level, group in freed.items():
-            pool_group = group[0].pool_group
-            registry = self.pages[level][pool_group]
-            slots = []
-            for page in group:
-                slot = page.slot
-                assert slot is not None and page.pool_group == pool_group
-                del registry[slot.slot_id]
-                slots.append(slot)
-                page.slot = None
-            self._spare_pages += group
-            self.allocators[level][pool_group].release_multiple(slots)
-            self.num_dropped += len(group)
+            if page.slot is not None:  # (else an earlier drop orphaned and freed it)
+                by_level.setdefault(page.level, []).append(page)
+        orphans = [self._drop_group(level, group) for level, group in by_level.items()]
         for lost in orphans:
             for orphan in lost:
                 self.settle(orphan)
+
+    def _drop_group(self, level: int, pages: list[Page]) -> Sequence[Page]:
+        """Drop queued pages of one pool group at `level`: out of their queue and the tree,
+        slots freed in one call. Returns the pages that lost their block with them, for the
+        caller to settle once every group is dropped."""
+        pool_group = pages[0].pool_group
+        self.queues[level][pool_group].remove_all(pages)
+        orphans = self.on_drop(pages)
+        registry = self.pages[level][pool_group]
+        slots = []
+        for page in pages:
+            slot = page.slot
+            assert slot is not None and page.pool_group == pool_group and not page.holds, page
+            del registry[slot.slot_id]
+            slots.append(slot)
+            page.slot = None
+        self._spare_pages += pages
+        self.allocators[level][pool_group].release_multiple(slots)
+        self.num_dropped += len(pages)
+        return orphans
 
     def _drop(self, page: Page) -> None:
         if page.queued:
