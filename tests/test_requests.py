@@ -323,3 +323,29 @@ def test_invalid_tokens_are_refused_before_anything_changes(manager, bad):
     cache.commit(range(10, 32))  # still usable: the block keys are those of 0..31
     cache.close()
     assert m.create_kv_cache(None, list(range(33))).num_committed_tokens == 32
+
+
+def test_eviction_at_the_last_level_frees_a_small_batch():
+    """A full pool drops 0.1% of its slots more than an allocation needs, so that the next
+    single-block allocations (decode steps) find a free slot without evicting again."""
+    from kvpool.replay.prefix import exact_block_config
+
+    m = KVCacheManager(exact_block_config(2048, 16))  # 2048 >> 10 = 2 extra slots per eviction
+    for start in range(0, 2048 * 16, 1024):  # fill the pool with cached blocks
+        cache = m.create_kv_cache()
+        assert cache.resume() and cache.resize(1024)
+        cache.commit(range(start, start + 1024))
+        cache.close()
+    (stats,) = m.get_storage_statistics(0)
+    assert (stats.free, stats.evictable) == (0, 2048)
+    cache = m.create_kv_cache()
+    assert cache.resume() and cache.resize(16)
+    assert m.num_dropped_pages == 3  # the one needed and two more
+    assert cache.resize(32) and cache.resize(48)
+    assert m.num_dropped_pages == 3  # no eviction for these two blocks
+    assert cache.resize(64) and m.num_dropped_pages == 6
+    # The oldest pages went first: the first request's last six blocks (closed leaf first).
+    assert m.probe_reuse(None, list(range(1024))) == (64 - 6) * 16
+    assert m.probe_reuse(None, list(range(1024, 2048))) == 1024
+    cache.close()
+    shutdown(m)

@@ -94,7 +94,11 @@ class StorageManager:
             if missing <= 0:
                 continue
             if level == self._last_level:  # dropping the oldest pages is all eviction can do
-                victims = queues[pool_group].oldest(missing)
+                # Drop a few more than needed (0.1% of the pool group), so that the next small
+                # allocations (a decode step's new block) find a free slot: eviction's fixed cost
+                # is then paid once per batch, not once per block.
+                spare = allocators[pool_group].capacity >> 10
+                victims = queues[pool_group].oldest(missing + spare)
                 if len(victims) < missing:
                     return False
                 drops.append(victims)
