@@ -3,7 +3,7 @@ that attention kernels read (grown by doubling, updated in place, never rebuilt 
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -35,15 +35,10 @@ class PageTable:
 
     def set_many(self, g: int, indices: list[int], pages: list[Page]) -> None:
         """`set` each index to its page (one numpy write)."""
-        page_list, table = self.pages[g], self.tables[g]
-        if len(indices) < 8:  # numpy's per-call cost beats a few scalar writes
-            for index, page in zip(indices, pages, strict=True):
-                page_list[index] = page
-                table[index] = page.slot.slot_id  # type: ignore[union-attr]
-        else:
-            for index, page in zip(indices, pages, strict=True):
-                page_list[index] = page
-            table[indices] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]
+        page_list = self.pages[g]
+        for index, page in zip(indices, pages, strict=True):
+            page_list[index] = page
+        _write_slot_ids(self.tables[g], indices, pages)
         self.version += 1
 
     def extend(self, g: int, pages: list[Page]) -> None:
@@ -54,11 +49,7 @@ class PageTable:
         table = self.tables[g]
         if len(page_list) > table.size:
             table = self._grow(g, len(page_list))
-        if len(pages) < 8:  # numpy's per-call cost beats a few scalar writes
-            for index, page in enumerate(pages, start):
-                table[index] = page.slot.slot_id  # type: ignore[union-attr]
-        else:
-            table[start : len(page_list)] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]
+        _write_slot_ids(table, range(start, len(page_list)), pages)
         self.version += 1
 
     def clear_all(self, g: int) -> list[Page | None]:
@@ -121,3 +112,14 @@ class PageTable:
         indices.flags.writeable = False
         self._indices[key] = (self.version, indices)
         return indices
+
+
+def _write_slot_ids(
+    table: npt.NDArray[np.int32], indices: Sequence[int], pages: Sequence[Page]
+) -> None:
+    """table[indices[i]] = pages[i]'s slot id."""
+    if len(pages) < 8:  # numpy's per-call cost beats a few scalar writes
+        for index, page in zip(indices, pages, strict=True):
+            table[index] = page.slot.slot_id  # type: ignore[union-attr]
+    else:
+        table[list(indices)] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]

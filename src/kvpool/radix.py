@@ -402,16 +402,11 @@ class RadixTree:
         """`insert` full blocks one below the other, starting under `parent`."""
         blocks: list[Block] = []
         orphans: Sequence[Page] = _NO_PAGES
-        index, spare, tpb = self.index, self._spare, self._tokens_per_block
+        index, tpb = self.index, self._tokens_per_block
         for key, data in zip(keys, datas, strict=True):
             child = index.get(key)
             if child is None:
-                if parent.kids is None and spare:  # extend a chain: `_new_block`, inlined
-                    child = parent.kids = index[key] = spare.pop()
-                    child.key, child.parent, child.data, child.num_tokens = key, parent, data, tpb
-                    child.ordinal, child.kids = parent.ordinal + 1, None
-                    child.num_partial_children, child.in_tree = 0, True
-                elif parent.kids is None:
+                if parent.kids is None:  # the usual case: extend a chain
                     child = parent.kids = self._new_block(key, parent, data, tpb)
                 else:
                     found, removed = self.insert(parent, key, data, tpb)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvpool.errors import CorruptedError, OutOfPagesError
 from kvpool.eviction import EvictionQueue
-from kvpool.pages import DEFAULT_PRIORITY, Page
+from kvpool.pages import Page
 from kvpool.storage.copier import Copier
 from kvpool.storage.memory import Bytes
 from kvpool.storage.pools import LevelStorage
@@ -42,9 +42,8 @@ class StorageManager:
     def __init__(self, levels: Sequence[LevelStorage]) -> None:
         self.levels = list(levels)
         self._last_level = len(self.levels) - 1
-        # Freed Page objects, reused for new pages: no garbage per page in the hot loop. Nothing
-        # keeps a page once it is freed (no owner, block or queue refers to it).
-        # Records for as many pages as the GPU level holds are made now, not in the engine's loop.
+        # Freed Page objects, reused for new pages: no garbage per page in the hot loop (nothing
+        # keeps a freed page). Records for the GPU level's slots are made now.
         self._spare_pages = [Page(None, 0, 0, 0) for _ in range(sum(self.levels[0].slot_counts))]
         self.allocators = [[group.allocator for group in level.pool_groups] for level in levels]
         self.queues = [[EvictionQueue() for _ in level.pool_groups] for level in self.levels]
@@ -127,10 +126,8 @@ class StorageManager:
         pages = []
         for slot in allocator.allocate_multiple(count):
             if spare:
-                page = spare.pop()  # `Page.reset`, inlined (once per page)
-                page.slot, page.level, page.pool_group = slot, level, pool_group
-                page.layer_group, page.block, page.locks = layer_group, None, locks
-                page.holds, page.priority, page.queued = 0, DEFAULT_PRIORITY, False
+                page = spare.pop()
+                page.reset(slot, level, pool_group, layer_group, locks)
             else:
                 page = Page(slot, level, pool_group, layer_group, locks)
             owners[slot.slot_id] = page
@@ -280,16 +277,14 @@ class StorageManager:
 
     def _evict_pages(self, victims: list[Page], level: int, pool_group: int) -> None:
         if level == self.last_level:
-            for page in victims:
-                self._drop(page)
+            self._drop_all(victims)
             return
         room = self.make_room(level + 1, pool_group, len(victims), at_least=0)
-        for page in victims[: len(victims) - room]:
-            self._drop(page)
+        self._drop_all(victims[: len(victims) - room])
         self.migrate(victims[len(victims) - room :], level + 1)
 
     def _drop_all(self, pages: list[Page]) -> None:
-        """`_drop` each page (queued pages of one pool group, any levels)."""
+        """Drop queued, unowned pages of one pool group (any levels): their KV is gone."""
         by_level: dict[int, list[Page]] = {}
         for page in pages:
             if page.slot is not None:  # (else an earlier drop orphaned and freed it)
@@ -318,15 +313,6 @@ class StorageManager:
         self.allocators[level][pool_group].release_multiple(slots)
         self.num_dropped += len(pages)
         return orphans
-
-    def _drop(self, page: Page) -> None:
-        if page.queued:
-            self.queues[page.level][page.pool_group].remove(page)
-        orphans = self.on_drop((page,)) if page.block is not None else ()
-        self._free(page)
-        self.num_dropped += 1
-        for orphan in orphans:
-            self.settle(orphan)
 
     def _free(self, page: Page) -> None:
         slot = page.slot
@@ -562,37 +548,35 @@ class StorageManager:
     def hold_all(self, pages: Iterable[Page]) -> None:
         """`hold` each page (at the last level a held page is not evictable: it leaves its
         queue, in one batch per queue)."""
-        leaving: dict[EvictionQueue, list[Page]] = {}
+        leaving = []
         last = self._last_level
         for page in pages:
             page.holds += 1
             if page.locks:
                 continue
             if page.level == last and page.queued:
-                queue = self.queues[page.level][page.pool_group]
-                batch = leaving.get(queue)
-                if batch is None:
-                    batch = leaving[queue] = []
-                batch.append(page)
+                leaving.append(page)
             else:
                 self.settle(page)
-        for queue, batch in leaving.items():
-            queue.remove_all(batch)
+        self._dequeue_all(leaving)
 
     def lock_held(self, pages: Iterable[Page]) -> None:
         """Turn one hold of each page into a lock (a locked page is never queued)."""
-        leaving: dict[EvictionQueue, list[Page]] = {}
+        leaving = []
         for page in pages:
             assert page.holds > 0, page
             page.holds -= 1
             page.locks += 1
             if page.queued:
-                queue = self.queues[page.level][page.pool_group]
-                batch = leaving.get(queue)
-                if batch is None:
-                    batch = leaving[queue] = []
-                batch.append(page)
-        for queue, batch in leaving.items():
+                leaving.append(page)
+        self._dequeue_all(leaving)
+
+    def _dequeue_all(self, pages: list[Page]) -> None:
+        """Take queued pages out of their queues, one batch per queue."""
+        batches: dict[EvictionQueue, list[Page]] = {}
+        for page in pages:
+            batches.setdefault(self.queues[page.level][page.pool_group], []).append(page)
+        for queue, batch in batches.items():
             queue.remove_all(batch)
 
     def unhold(self, page: Page) -> None:

@@ -175,14 +175,7 @@ class SlotAllocator:
 
     def release(self, slot: Slot, ready_event: ReadyEvent | None = None) -> None:
         """Return a slot. `ready_event` (or `slot.ready_event`) marks when its last use is done."""
-        slot_id = slot.slot_id
-        if slot.released or slot_id >= self._num_active or self._slots[slot_id] is not slot:
-            self._refuse_release(slot, (slot,))
-        slot.released = True
-        self._put_back(slot, ready_event)
-        self._num_occupied -= 1
-        if _debug.DEBUG:
-            self.check_invariants()
+        self.release_multiple((slot,), ready_event)
 
     def release_multiple(
         self, slots: Sequence[Slot], ready_event: ReadyEvent | None = None
@@ -196,8 +189,9 @@ class SlotAllocator:
                     earlier.released = False
                 self._refuse_release(slot, slots)
             slot.released = True  # also catches a slot given twice
+        # File each id as recycled, waiting (its last use still runs) or overflow.
         target, recycled = self._target, self._recycled
-        for slot in slots:  # `_put_back`, inlined: this loop runs for every evicted page
+        for slot in slots:
             if ready_event is not None:
                 slot.ready_event = ready_event
             event = slot.ready_event
@@ -212,20 +206,6 @@ class SlotAllocator:
         self._num_occupied -= len(slots)
         if _debug.DEBUG:
             self.check_invariants()
-
-    def _put_back(self, slot: Slot, ready_event: ReadyEvent | None) -> None:
-        """File a released id as recycled, waiting (its last use still runs) or overflow."""
-        if ready_event is not None:
-            slot.ready_event = ready_event
-        event = slot.ready_event
-        if event is not None and event.is_set():
-            slot.ready_event = event = None
-        if slot.slot_id >= self._target:
-            self._overflow.append(slot)
-        elif event is None:
-            self._recycled.append(slot)
-        else:
-            self._waiting.append(slot)
 
     def _refuse_release(self, slot: Slot, slots: Sequence[Slot]) -> None:
         if sum(other is slot for other in slots) > 1:
