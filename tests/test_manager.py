@@ -138,11 +138,13 @@ def test_lookup_errors_name_the_argument(manager_factory):
     assert manager.get_pool_group_index(1) == 1
     with pytest.raises(ArgumentError, match=r"layer_id=5 is invalid: must be one of \[0, 1\]"):
         manager.get_layer_group_id(5)
-    with pytest.raises(ArgumentError, match=r"layer_group_id=2 is invalid: must be in \[0, 2\)"):
+    with pytest.raises(
+        ArgumentError, match=r"layer_group_id=2 is invalid: must be an integer in \[0, 2\)"
+    ):
         manager.get_pool_group_index(2)
     with pytest.raises(ArgumentError, match="'q'"):
         manager.page_view(0, "q")
-    with pytest.raises(ArgumentError, match=r"level=1 is invalid: must be in \[0, 1\)"):
+    with pytest.raises(ArgumentError, match=r"level=1 is invalid: must be an integer in \[0, 1\)"):
         manager.get_quota(1)
 
 

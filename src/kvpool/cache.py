@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool import _debug
-from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
+from kvpool.errors import ArgumentError, LogicError, OutOfPagesError, StorageError
 from kvpool.layout import KVLayout
 from kvpool.page_table import PageTable
 from kvpool.pages import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Page
@@ -37,13 +37,18 @@ from kvpool.radix import (
     block_key_of_encoded,
     encode_tokens,
 )
+from kvpool.validation import check_index, token_list
 
 if TYPE_CHECKING:
-    from kvpool.tiers import StorageManager
+    from kvpool.tiers import Staged, StorageManager
 
 GPU_LEVEL = 0
 PriorityCallback = Callable[[int, int], int]
-"""(block ordinal, layer group id) -> eviction priority in [0, 100]; lower is evicted first."""
+"""(block ordinal, layer group id) -> eviction priority in [0, 100]; lower is evicted first.
+Called for every layer group of every block a commit fills (or the tail `stop_committing`
+inserts), before the commit changes anything: if it raises or returns a bad value, the commit
+raises with nothing changed."""
+Priorities = dict[tuple[int, int], int]
 
 
 class KVCacheStatus(Enum):
@@ -65,6 +70,7 @@ class CacheContext:
     max_util_for_resume: float
     on_close: Callable[[KVCache], None]
     check: Callable[[], None]
+    check_thread: Callable[[], None]
 
 
 class KVCache:
@@ -160,16 +166,21 @@ class KVCache:
         for g in self._ssm:
             if self._pages[g][0] is None:
                 extra[layout.pool_group_of[g]] += 1
+        snapshots = [page for _, block, page in self._deferred if block < 0]
         storage.lock_held(ours)  # locked pages are never evicted: ours stay put while we make room
         moved = False
+        staged = None
         try:
+            staged = storage.stage(snapshots)  # a failed read of a snapshot changes nothing
             moved = storage.bring_to(ours, GPU_LEVEL, extra)
             if moved:
-                self._make_private_copies()
+                self._make_private_copies(staged)
         except BaseException:
             moved = False
             raise
         finally:
+            if staged is not None:
+                staged.close()
             if not moved:
                 for page in ours:
                     storage.hold(page)
@@ -194,14 +205,7 @@ class KVCache:
                 f"prefetch() on KV cache {self.id}, which is {self._status.value} (it must be suspended)"
             )
         storage = self._ctx.storage
-        if (
-            isinstance(level, bool)
-            or not isinstance(level, int)
-            or not 0 <= level < len(storage.levels)
-        ):
-            raise ArgumentError(
-                f"level={level!r} is invalid: must be in [0, {len(storage.levels)})"
-            )
+        check_index("level", level, len(storage.levels))
         colder = [
             page
             for pages in self._pages
@@ -211,25 +215,21 @@ class KVCache:
         colder += [
             page for _, _, page in self._deferred if page.level > level and page not in colder
         ]
-        by_group: dict[int, list[Page]] = {}
-        for page in colder:
-            by_group.setdefault(page.pool_group, []).append(page)
         for page in colder:
             storage.lock(page)  # not evictable while we make room
         try:
-            for pool_group, pages in by_group.items():
-                room = storage.make_room(level, pool_group, len(pages), at_least=0)
-                storage.migrate(pages[:room], level)
+            storage.lift(colder, level)
         finally:
             for page in colder:
                 storage.unlock(page)
         self._after_call()
         return all(page.level <= level for page in colder)
 
-    def _make_private_copies(self) -> None:
-        """First resume: copy a partially reused block and a reused SSM snapshot into private
-        pages (shared pages are never written), and give SSM layers their live state slot.
-        The caller holds the room for them; on a copy error nothing changes."""
+    def _make_private_copies(self, staged: Staged) -> None:
+        """First resume: copy a partially reused block and a reused SSM snapshot (from its RAM
+        copy in `staged`) into private pages (shared pages are never written), and give SSM
+        layers their live state slot. The caller holds the room for them; on a copy error
+        nothing changes."""
         storage = self._ctx.storage
         snapshots = {g: page for g, block, page in self._deferred if block < 0}
         copies: list[tuple[int, int, Page, Page]] = []  # (group, block, shared, private)
@@ -242,7 +242,8 @@ class KVCache:
                     live = self._new_page(g)
                     copies.append((g, 0, snapshots.get(g, live), live))
             storage.copy_pages(
-                [(shared, private) for _, _, shared, private in copies if shared is not private]
+                [(shared, private) for _, _, shared, private in copies if shared is not private],
+                staged,
             )
         except BaseException:
             for _, _, _, private in copies:
@@ -434,7 +435,7 @@ class KVCache:
         if not self._committing:
             raise LogicError("cannot commit tokens after stop_committing()")
         if type(tokens) is not tuple and type(tokens) is not list:
-            tokens = list(tokens)
+            tokens = token_list("tokens", tokens)
         count = len(tokens)
         committed = self._committed + count
         if committed > self._capacity:
@@ -444,22 +445,30 @@ class KVCache:
             )
         tail = self._tail
         encoded: bytes | None = None
-        if count == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN:
-            tail.append(tokens[0])  # a decode step: nothing to encode before the block is full
-        else:
+        one = count == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN
+        if not one:
             encoded = encode_tokens(tokens)  # validates before anything changes
             if len(encoded) != 4 * count:
                 encoded = None  # digest tokens: blocks are encoded one by one
+        priorities = None
+        if self._priority_callback is not None and len(tail) + count >= self._tpb:
+            first = (self._committed - len(tail)) // self._tpb
+            priorities = self._priorities(first, (len(tail) + count) // self._tpb)
+        if one:
+            tail.append(tokens[0])  # a decode step: nothing to encode before the block is full
+        else:
             tail += tokens
         self._committed = committed
         if len(tail) >= self._tpb:
-            self._commit_full_blocks(encoded, len(tail) - count)
+            self._commit_full_blocks(encoded, len(tail) - count, priorities)
         if committed > self._history:
             self._history = committed
         if _debug.DEBUG:
             self._ctx.check()
 
-    def _commit_full_blocks(self, encoded: bytes | None, encoded_start: int) -> None:
+    def _commit_full_blocks(
+        self, encoded: bytes | None, encoded_start: int, priorities: Priorities | None
+    ) -> None:
         """Insert the tail's full blocks into the tree, in order; keep the rest as the tail.
         `encoded` (if not None) holds the tail's tokens from `encoded_start` on, 4 bytes each."""
         tail, tpb = self._tail, self._tpb
@@ -485,9 +494,9 @@ class KVCache:
         blocks, orphans = self._ctx.tree.insert_chain(parent, keys, datas)
         for orphan in orphans:
             self._ctx.storage.settle(orphan)
-        self._attach_pages(first, blocks)
+        self._attach_pages(first, blocks, priorities)
         if exact:
-            self._snapshot_ssm(blocks[-1])
+            self._snapshot_ssm(blocks[-1], priorities)
 
     def _insertion_parent(self) -> Block | None:
         """The tree block the next committed block goes under (None if it is not in the tree)."""
@@ -496,10 +505,13 @@ class KVCache:
             return tree.root(self._scope_key)
         return tree.index.get(self._prev_key)
 
-    def _attach_pages(self, first: int, blocks: Sequence[Block]) -> None:
-        """Make our pages of blocks `first`, `first + 1`, ... the tree blocks' pages; where a
-        block already has one, share it instead (one copy of the KV, not two)."""
-        storage, callback = self._ctx.storage, self._priority_callback
+    def _attach_pages(
+        self, first: int, blocks: Sequence[Block], priorities: Priorities | None
+    ) -> None:
+        """Make our pages of blocks `first`, `first + 1`, ... the tree blocks' pages (with their
+        `priorities`, if given); where a block already has one, share it instead (one copy of
+        the KV, not two)."""
+        storage = self._ctx.storage
         for g in self._attention_groups:
             pages = self._pages[g]
             for index, block in enumerate(blocks, first):
@@ -508,8 +520,8 @@ class KVCache:
                     continue
                 existing = block[g]
                 if existing is None:
-                    if callback is not None:
-                        page.priority = self._priority(block.ordinal, g)
+                    if priorities is not None:
+                        storage.set_priority(page, priorities[block.ordinal, g])
                     block[g] = page
                     page.block = block
                     if not page.locks:
@@ -530,15 +542,16 @@ class KVCache:
             assert block is not None
             tree.detach(existing)
             storage.settle(existing)
-            page.priority = existing.priority
+            storage.set_priority(page, existing.priority)
             tree.attach(block, page)
             storage.settle(page)
 
-    def _snapshot_ssm(self, block: Block) -> None:
+    def _snapshot_ssm(self, block: Block, priorities: Priorities | None) -> None:
         for g in self._ssm:
             live = self._pages[g][0]
             if live is not None and block[g] is None:
-                self._snapshot(block, g, live)
+                priority = DEFAULT_PRIORITY if priorities is None else priorities[block.ordinal, g]
+                self._snapshot(block, g, live, priority)
 
     def stop_committing(self) -> None:
         """No more commits: the unfinished tail block goes into the tree as a partial block."""
@@ -546,19 +559,21 @@ class KVCache:
         if not self._committing:
             return
         if self._tail:
+            index = self._committed // self._tpb
+            priorities = None
+            if self._priority_callback is not None:
+                priorities = self._priorities(index, 1)  # before anything changes
             data = encode_tokens(self._tail)
             key = block_key_of_encoded(self._prev_key, data)
-            self._commit_block(
-                self._committed // self._tpb, data, len(self._tail), key, snapshot=True
-            )
+            self._commit_block(index, data, len(self._tail), key, priorities)
         self._committing = False
         self._after_call()
 
     def _commit_block(
-        self, index: int, data: bytes, num_tokens: int, key: bytes, snapshot: bool
+        self, index: int, data: bytes, num_tokens: int, key: bytes, priorities: Priorities | None
     ) -> None:
         """Insert block `index` (the partial tail: `num_tokens` tokens encoded as `data`) with
-        `key` under the previous committed block."""
+        `key` under the previous committed block, and snapshot the SSM states at its end."""
         parent = self._insertion_parent()
         if parent is None:
             return
@@ -567,36 +582,42 @@ class KVCache:
             self._ctx.storage.settle(orphan)
         if block is None:
             return
-        self._attach_pages(index, [block])
-        if snapshot:
-            self._snapshot_ssm(block)
+        self._attach_pages(index, [block], priorities)
+        self._snapshot_ssm(block, priorities)
 
-    def _snapshot(self, block: Block, g: int, live: Page) -> None:
-        """Copy the live SSM state into a page of `block` (best effort: skipped when no slot)."""
+    def _snapshot(self, block: Block, g: int, live: Page, priority: int) -> None:
+        """Copy the live SSM state into a page of `block` (best effort: skipped when there is
+        no slot or the copy fails; a later request then reuses a shorter prefix)."""
         storage = self._ctx.storage
         try:
             (page,) = storage.new_pages(GPU_LEVEL, self._ctx.layout.pool_group_of[g], g, 1)
-        except OutOfPagesError:
+        except (OutOfPagesError, StorageError):
             return
-        storage.copy_pages([(live, page)])
-        page.priority = self._priority(block.ordinal, g)
+        try:
+            storage.copy_pages([(live, page)])
+        except StorageError:
+            storage.settle(page)  # nobody owns it, nothing is committed in it: freed
+            return
+        page.priority = priority
         self._ctx.tree.attach(block, page)
         storage.settle(page)
 
-    def _priority(self, ordinal: int, layer_group: int) -> int:
-        if self._priority_callback is None:
-            return DEFAULT_PRIORITY
-        priority = self._priority_callback(ordinal, layer_group)
-        if (
-            isinstance(priority, bool)
-            or not isinstance(priority, int)
-            or not MIN_PRIORITY <= priority <= MAX_PRIORITY
-        ):
-            raise ArgumentError(
-                f"priority_callback({ordinal}, {layer_group})={priority!r} is invalid: must be an "
-                f"integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]"
-            )
-        return priority
+    def _priorities(self, first: int, count: int) -> Priorities:
+        """The callback's priority for blocks `first` ... `first + count - 1` of every layer
+        group, checked, before a commit changes anything."""
+        callback = self._priority_callback
+        assert callback is not None
+        priorities = {}
+        for ordinal in range(first, first + count):
+            for layer_group in range(len(self._pages)):
+                priority = callback(ordinal, layer_group)
+                if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+                    raise ArgumentError(
+                        f"priority_callback({ordinal}, {layer_group})={priority!r} is invalid: "
+                        f"must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]"
+                    )
+                priorities[ordinal, layer_group] = priority
+        return priorities
 
     # -- creation from a match (called by the manager) -------------------------------------------
 
@@ -637,25 +658,13 @@ class KVCache:
         """Slot id of each block's page in `layer_group_id` (-1 where the block has none), as a
         read-only int32 view; for an SSM layer group one entry, the live state's slot."""
         self._require_open("get_base_page_indices")
-        if (
-            isinstance(layer_group_id, bool)
-            or not isinstance(layer_group_id, int)
-            or not 0 <= layer_group_id < len(self._pages)
-        ):
-            raise ArgumentError(
-                f"layer_group_id={layer_group_id!r} is invalid: must be in [0, {len(self._pages)})"
-            )
+        check_index("layer_group_id", layer_group_id, len(self._pages))
         return self._table.base_indices(layer_group_id)
 
     def get_page_indices(self, layer_id: int, role: str) -> npt.NDArray[np.int32]:
         """Rows of `manager.page_view(layer_id, role)` for each block (-1 where none)."""
         self._require_open("get_page_indices")
-        placement = self._ctx.layout.buffers.get((layer_id, role))
-        if placement is None:
-            raise ArgumentError(
-                f"(layer_id, role)=({layer_id!r}, {role!r}) is invalid: must name a configured buffer"
-            )
-        return self._table.page_indices(placement)
+        return self._table.page_indices(self._ctx.layout.placement(layer_id, role))
 
     def pages(self, layer_group_id: int) -> list[Page | None]:
         """The request's pages of one layer group (for introspection and tests)."""
@@ -697,6 +706,8 @@ class KVCache:
     def _require_open(self, operation: str) -> None:
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError(f"{operation}() on KV cache {self.id}, which is closed")
+        if _debug.DEBUG:
+            self._ctx.check_thread()
 
     def _require_active(self, operation: str) -> None:
         if self._status is not KVCacheStatus.ACTIVE:

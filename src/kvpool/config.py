@@ -12,9 +12,12 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from kvpool.errors import ConfigError
+from kvpool.validation import check_bool, check_int, check_sequence, fail
+from kvpool.validation import is_int as _is_int
+from kvpool.validation import is_real as _is_real
 
 
 class CacheTier(IntEnum):
@@ -142,20 +145,22 @@ class KVCacheManagerConfig:
         self._validate_ratio()
         if self.typical_step is not None:
             _validate_batch("typical_step", self.typical_step)
-        for i, batch in enumerate(self.constraints):
+        constraints = _sequence("constraints", self.constraints, "a sequence of BatchDesc")
+        for i, batch in enumerate(constraints):
             _validate_batch(f"constraints[{i}]", batch)
         self._validate_rebalance()
         util = self.max_util_for_resume
         if not _is_real(util) or math.isnan(util) or not 0.0 < util <= 1.0:
             _fail("max_util_for_resume", util, "a number in (0, 1]")
+        check_bool("enable_partial_reuse", self.enable_partial_reuse, ConfigError)
 
     def _validate_tiers(self) -> None:
-        if not self.cache_tiers:
-            _fail(
-                "cache_tiers", list(self.cache_tiers), "a non-empty list starting with the GPU tier"
-            )
+        allowed = "a non-empty list starting with the GPU tier"
+        tiers = _sequence("cache_tiers", self.cache_tiers, allowed)
+        if not tiers:
+            _fail("cache_tiers", tiers, allowed)
         previous: CacheTier | None = None
-        for i, tier_config in enumerate(self.cache_tiers):
+        for i, tier_config in enumerate(tiers):
             name = f"cache_tiers[{i}]"
             if not isinstance(
                 tier_config, GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
@@ -178,10 +183,12 @@ class KVCacheManagerConfig:
                 _fail(f"{name}.path", tier_config.path, "an existing directory")
 
     def _validate_layers(self) -> None:
-        if not self.layers:
-            _fail("layers", list(self.layers), "a non-empty list of layer configs")
+        allowed = "a non-empty list of layer configs"
+        layers = _sequence("layers", self.layers, allowed)
+        if not layers:
+            _fail("layers", layers, allowed)
         seen_ids: dict[int, int] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(layers):
             name = f"layers[{i}]"
             if not isinstance(layer, AttentionLayerConfig | SsmLayerConfig):
                 _fail(name, layer, "an AttentionLayerConfig or SsmLayerConfig")
@@ -194,10 +201,13 @@ class KVCacheManagerConfig:
                     f"unique (layers[{seen_ids[layer.layer_id]}] has the same id)",
                 )
             seen_ids[layer.layer_id] = i
-            if not layer.buffers:
-                _fail(f"{name}.buffers", list(layer.buffers), "a non-empty list of BufferConfig")
+            buffers = _sequence(
+                f"{name}.buffers", layer.buffers, "a non-empty list of BufferConfig"
+            )
+            if not buffers:
+                _fail(f"{name}.buffers", buffers, "a non-empty list of BufferConfig")
             roles: dict[str, int] = {}
-            for j, buffer in enumerate(layer.buffers):
+            for j, buffer in enumerate(buffers):
                 bname = f"{name}.buffers[{j}]"
                 if not isinstance(buffer, BufferConfig):
                     _fail(bname, buffer, "a BufferConfig")
@@ -226,17 +236,18 @@ class KVCacheManagerConfig:
                         )
 
     def _validate_ratio(self) -> None:
-        ratio = self.initial_pool_ratio
-        if ratio is None:
+        if self.initial_pool_ratio is None:
             return
         # Imported here: layout depends on this module.
         from kvpool.layout import count_layer_groups
 
         expected = count_layer_groups(self.layers, self.tokens_per_block)
+        allowed = f"one weight per layer group ({expected} values)"
+        ratio = _sequence("initial_pool_ratio", self.initial_pool_ratio, allowed)
         if len(ratio) != expected:
             _fail(
                 "initial_pool_ratio",
-                list(ratio),
+                ratio,
                 f"one weight per layer group ({expected} values, got {len(ratio)})",
             )
         for i, weight in enumerate(ratio):
@@ -244,7 +255,7 @@ class KVCacheManagerConfig:
                 _fail(f"initial_pool_ratio[{i}]", weight, "a finite number > 0")
         total = math.fsum(ratio)
         if abs(total - 1.0) > 1e-6:
-            _fail("initial_pool_ratio", list(ratio), f"weights summing to 1 (they sum to {total})")
+            _fail("initial_pool_ratio", ratio, f"weights summing to 1 (they sum to {total})")
 
     def _validate_rebalance(self) -> None:
         n = self.rebalance_min_sampled_kv_caches
@@ -269,7 +280,8 @@ def _validate_batch(name: str, batch: BatchDesc) -> None:
         _fail(name, batch, "a BatchDesc")
     if not _is_int(batch.system_prompt_length) or batch.system_prompt_length < 0:
         _fail(f"{name}.system_prompt_length", batch.system_prompt_length, "an integer >= 0")
-    for i, desc in enumerate(batch.kv_caches):
+    caches = _sequence(f"{name}.kv_caches", batch.kv_caches, "a sequence of KVCacheDesc")
+    for i, desc in enumerate(caches):
         dname = f"{name}.kv_caches[{i}]"
         if not isinstance(desc, KVCacheDesc):
             _fail(dname, desc, "a KVCacheDesc")
@@ -283,18 +295,13 @@ def _validate_batch(name: str, batch: BatchDesc) -> None:
             )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+def _sequence(name: str, value: object, allowed: str) -> list[Any]:
+    return check_sequence(name, value, allowed, ConfigError)
 
 
 def _positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or value <= 0:  # type: ignore[operator]
-        _fail(name, value, "an integer >= 1")
+    check_int(name, value, 1, error=ConfigError)
 
 
 def _fail(name: str, value: object, allowed: str) -> NoReturn:
-    raise ConfigError(f"{name}={value!r} is invalid: must be {allowed}")
+    fail(name, value, allowed, ConfigError)

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from itertools import islice
 
-from kvpool.errors import OutOfPagesError
+from kvpool.errors import CorruptedError, OutOfPagesError
 from kvpool.pages import Page
 
 
@@ -101,3 +101,17 @@ class EvictionQueue:
     def _forget(self, priority: int) -> None:
         del self._lists[priority]
         del self._priorities[bisect.bisect_left(self._priorities, priority)]
+
+    def check_invariants(self) -> None:
+        """Raise `CorruptedError` unless every page sits in its own priority's list, once."""
+        problems = []
+        if self._priorities != sorted(self._lists) or any(not self._lists[p] for p in self._lists):
+            problems.append(f"priorities {self._priorities} do not match the lists")
+        for priority, pages in self._lists.items():
+            for page in pages:
+                if page.priority != priority or not page.queued:
+                    problems.append(f"{page} (priority {page.priority}) is in list {priority}")
+        if sum(map(len, self._lists.values())) != self._len:
+            problems.append(f"length {self._len} != {sum(map(len, self._lists.values()))} pages")
+        if problems:
+            raise CorruptedError("EvictionQueue: " + "; ".join(problems[:10]))

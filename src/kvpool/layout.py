@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.config import BatchDesc, LayerConfig, SsmLayerConfig
+from kvpool.validation import fail
 
 BAD_PAGE_INDEX = -1
 
@@ -180,6 +181,15 @@ class KVLayout:
     @property
     def num_layer_groups(self) -> int:
         return len(self.life_cycles)
+
+    def placement(self, layer_id: int, role: str) -> BufferPlacement:
+        """Where buffer (`layer_id`, `role`) lives; `ArgumentError` unless it is configured."""
+        found = None
+        if type(layer_id) is int and type(role) is str:
+            found = self.buffers.get((layer_id, role))
+        if found is None:
+            fail("(layer_id, role)", (layer_id, role), "name a configured buffer")
+        return found
 
     @property
     def num_pool_groups(self) -> int:

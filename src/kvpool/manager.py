@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +27,16 @@ from kvpool.radix import RadixTree, Token, root_key
 from kvpool.rebalance import DemandEstimator
 from kvpool.storage.pools import LevelStorage, slot_counts_from_ratio
 from kvpool.tiers import StorageManager
+from kvpool.validation import (
+    check_bool,
+    check_callable,
+    check_index,
+    check_int,
+    check_real,
+    check_sequence,
+    fail,
+    token_list,
+)
 
 # The request shape that sizes pool groups when the config names none.
 DEFAULT_REQUEST = KVCacheDesc(capacity=2049, history_length=2048)
@@ -54,9 +66,18 @@ class KVCacheManager:
     def __init__(
         self, config: KVCacheManagerConfig, *, clock: Callable[[], float] | None = None
     ) -> None:
-        """`clock` (seconds, default `time.monotonic`) times the rebalancing cooldown."""
+        """`clock` (seconds, default `time.monotonic`) times the rebalancing cooldown.
+
+        Threads: the manager and its KV caches are driven from one thread (the engine's
+        scheduler loop); nothing is locked. With `KVPOOL_DEBUG=1` a call from another thread
+        than the first caller's raises `LogicError` (`transfer_to_current_thread()` hands the
+        manager over on purpose)."""
+        if not isinstance(config, KVCacheManagerConfig):
+            fail("config", config, "a KVCacheManagerConfig")
+        check_callable("clock", clock)
         config.validate()
         self._closed = False
+        self._owner_thread: int | None = None
         self._config = copy.deepcopy(config)
         self.layout = KVLayout(self._config.layers, self._config.tokens_per_block)
         self._min_slots = self._floors()
@@ -98,6 +119,7 @@ class KVCacheManager:
             max_util_for_resume=self._config.max_util_for_resume,
             on_close=self._forget,
             check=self._after_call,
+            check_thread=self._check_thread,
         )
 
     def _floors(self) -> list[int]:
@@ -152,31 +174,20 @@ class KVCacheManager:
         return list(self._min_slots)
 
     def get_layer_group_id(self, layer_id: int) -> int:
-        try:
-            return self.layout.layer_group_of[layer_id]
-        except (KeyError, TypeError):
-            raise ArgumentError(
-                f"layer_id={layer_id!r} is invalid: must be one of {sorted(self.layout.layer_group_of)}"
-            ) from None
+        group = self.layout.layer_group_of.get(layer_id) if type(layer_id) is int else None
+        if group is None:
+            fail("layer_id", layer_id, f"one of {sorted(self.layout.layer_group_of)}")
+        return group
 
     def get_pool_group_index(self, layer_group_id: int) -> int:
-        if (
-            not isinstance(layer_group_id, int)
-            or not 0 <= layer_group_id < self.layout.num_layer_groups
-        ):
-            raise ArgumentError(
-                f"layer_group_id={layer_group_id!r} is invalid: must be in "
-                f"[0, {self.layout.num_layer_groups})"
-            )
+        check_index("layer_group_id", layer_group_id, self.layout.num_layer_groups)
         return self.layout.pool_group_of[layer_group_id]
 
     # -- levels ----------------------------------------------------------------------------------
 
     def level_storage(self, level: int) -> LevelStorage:
         self._require_open()
-        if not isinstance(level, int) or not 0 <= level < len(self._levels):
-            raise ArgumentError(f"level={level!r} is invalid: must be in [0, {len(self._levels)})")
-        return self._levels[level]
+        return self._levels[check_index("level", level, len(self._levels))]
 
     def get_tier(self, level: int) -> CacheTier:
         return self.level_storage(level).tier
@@ -191,11 +202,10 @@ class KVCacheManager:
         drops cached ones at the last level) and compacts the rest; returns False, with nothing
         changed, when the pages that must stay (held pages at the last level) do not fit."""
         storage = self.level_storage(level)
+        check_int("quota", quota, 1)
         active = sum(1 for cache in self._living.values() if cache.status is KVCacheStatus.ACTIVE)
         if active:
             raise LogicError(f"resize() needs every KV cache suspended; {active} are active")
-        if isinstance(quota, bool) or not isinstance(quota, int) or quota <= 0:
-            raise ArgumentError(f"quota={quota!r} is invalid: must be an integer >= 1")
         sizes = [group.slot_sizes for group in storage.pool_groups]
         counts = slot_counts_from_ratio(
             quota, sizes, storage.ratio, storage.granularity, self._min_slots
@@ -213,12 +223,7 @@ class KVCacheManager:
         """Writable uint8 array [num_pages, page_bytes] over one buffer's GPU-level memory
         (numpy; a torch tensor for CUDA memory). Rows are what `get_page_indices` returns.
         Re-fetch after anything that resizes pools."""
-        try:
-            placement = self.layout.buffers[layer_id, role]
-        except (KeyError, TypeError):
-            raise ArgumentError(
-                f"(layer_id, role)=({layer_id!r}, {role!r}) is invalid: must name a configured buffer"
-            ) from None
+        placement = self.layout.placement(layer_id, role)
         pool = self.level_storage(0).pool_groups[placement.pool_group].pool_view(placement.pool)
         return pool.reshape(-1, placement.size)
 
@@ -242,22 +247,16 @@ class KVCacheManager:
             id = next(self._ids)
             while id in self._living:
                 id = next(self._ids)
-        elif isinstance(id, bool) or not isinstance(id, int):
-            raise ArgumentError(f"id={id!r} is invalid: must be an int or None")
+        elif type(id) is not int:
+            fail("id", id, "an int or None")
         elif id in self._living:
             raise ArgumentError(f"id={id} is invalid: a KV cache with this id is open")
-        if priority_callback is not None and not callable(priority_callback):
-            raise ArgumentError(
-                f"priority_callback={priority_callback!r} is invalid: must be callable or None"
-            )
-        tokens = list(input_tokens) if input_tokens is not None else []
-        match = (
-            self._tree.match(scope_key, tokens, self._config.enable_partial_reuse)
-            if tokens
-            else None
-        )
-        cache = KVCache(self._context, id, scope_key, priority_callback, bool(exclude_from_stats))
-        if match is not None:
+        check_callable("priority_callback", priority_callback)
+        check_bool("exclude_from_stats", exclude_from_stats)
+        tokens = [] if input_tokens is None else token_list("input_tokens", input_tokens)
+        match = self._tree.match(scope_key, tokens, self._config.enable_partial_reuse)
+        cache = KVCache(self._context, id, scope_key, priority_callback, exclude_from_stats)
+        if match.num_tokens:
             cache.adopt_match(match, tokens)
         self._living[id] = cache
         self._after_call()
@@ -266,10 +265,9 @@ class KVCacheManager:
     def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: Sequence[Token]) -> int:
         """How many tokens of `input_tokens` a new request would reuse now (holds nothing)."""
         self._require_open()
-        tokens = list(input_tokens)
-        return self._tree.match(
-            root_key(reuse_scope), tokens, self._config.enable_partial_reuse
-        ).num_tokens
+        scope_key = root_key(reuse_scope)
+        tokens = token_list("input_tokens", input_tokens)
+        return self._tree.match(scope_key, tokens, self._config.enable_partial_reuse).num_tokens
 
     @property
     def num_open_kv_caches(self) -> int:
@@ -340,15 +338,17 @@ class KVCacheManager:
         least the slots of its pages that cannot leave the level (locked, or held at the last
         level), so the split moves toward the target as far as running requests allow."""
         storage = self.level_storage(level)
-        if (
-            len(ratio) != len(storage.pool_groups)
-            or any(not r >= 0 for r in ratio)
-            or not sum(ratio) > 0
-        ):
-            raise ArgumentError(
-                f"ratio={list(ratio)!r} is invalid: must be {len(storage.pool_groups)} weights >= 0 with a positive sum"
-            )
-        quota = storage.quota if quota is None else quota
+        count = len(storage.pool_groups)
+        allowed = f"{count} finite weights >= 0 with a positive, finite sum"
+        weights = check_sequence("ratio", ratio, allowed)
+        if len(weights) != count:
+            fail("ratio", ratio, allowed)
+        for i, weight in enumerate(weights):
+            check_real(f"ratio[{i}]", weight, 0.0)
+        if not 0 < math.fsum(weights) < math.inf:
+            fail("ratio", ratio, allowed)
+        ratio = [w / math.fsum(weights) for w in weights]
+        quota = storage.quota if quota is None else check_int("quota", quota, 1)
         sizes = [group.slot_sizes for group in storage.pool_groups]
         staying = self._storage.pages_that_must_stay(level)
         floors = [max(floor, stay) for floor, stay in zip(self._min_slots, staying, strict=True)]
@@ -360,14 +360,17 @@ class KVCacheManager:
             raise OutOfPagesError(
                 f"level {level}: the pages that must stay do not fit ({error}); nothing was changed"
             ) from None
-        if not self._storage.adjust_cache_level(level, counts, quota):
+        try:
+            adjusted = self._storage.adjust_cache_level(level, counts, quota)
+        finally:  # even after an error: pages of running requests may have moved
+            for cache in self._living.values():
+                if cache.status is KVCacheStatus.ACTIVE:
+                    cache.refresh_tables()
+        if not adjusted:
             raise OutOfPagesError(
                 f"level {level} cannot take slot counts {counts}: the held pages of a shrinking "
                 "pool group find no room below; nothing was changed"
             )
-        for cache in self._living.values():
-            if cache.status is KVCacheStatus.ACTIVE:
-                cache.refresh_tables()
 
     def get_storage_statistics(self, level: int) -> list[StorageStatistics]:
         """Per pool group at `level`: slot sizes, total, free, evictable, available, unavailable."""
@@ -421,7 +424,24 @@ class KVCacheManager:
 
     def _after_call(self) -> None:
         if _debug.DEBUG:
+            self._check_thread()
             self.check_invariants()
+
+    def transfer_to_current_thread(self) -> None:
+        """Make the calling thread the one that drives this manager (see the constructor)."""
+        self._owner_thread = threading.get_ident()
+
+    def _check_thread(self) -> None:
+        """Debug mode: refuse a call from a thread other than the manager's."""
+        me = threading.get_ident()
+        if self._owner_thread is None:
+            self._owner_thread = me
+        elif self._owner_thread != me:
+            raise LogicError(
+                f"the KV-cache manager was called from thread {threading.current_thread().name} "
+                f"(id {me}) but is driven by thread id {self._owner_thread}: call it from one "
+                "thread only (or hand it over with transfer_to_current_thread())"
+            )
 
     def check_invariants(self) -> None:
         """Raise `CorruptedError` unless slots, page owners, queues and tree links agree."""
@@ -478,6 +498,7 @@ class KVCacheManager:
                         problems.append(f"{page} is not linked back to {block}")
         for queues in storage.queues:
             for queue in queues:
+                queue.check_invariants()
                 for page in queue:
                     pages[id(page)] = page
         used: dict[tuple[int, int], set[int]] = {}
@@ -526,3 +547,5 @@ class KVCacheManager:
     def _require_open(self) -> None:
         if self._closed:
             raise LogicError("the manager was shut down")
+        if _debug.DEBUG:
+            self._check_thread()

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from hashlib import sha256
 
+import numpy as np
+
 from kvpool.config import ReuseScope
 from kvpool.errors import ArgumentError
 from kvpool.layout import AttentionLifeCycle, KVLayout, SsmLifeCycle
@@ -70,7 +72,7 @@ def _encode_scope_field(name: str, value: object) -> bytes:
 
 def encode_tokens(tokens: Sequence[Token]) -> bytes:
     """Bytes of a block's tokens: ints in [0, 2**31) as 4-byte little-endian, 32-byte digests
-    after a marker. Anything else raises `ArgumentError` (a ValueError)."""
+    after a marker. Anything else (bools included) raises `ArgumentError` (a ValueError)."""
     if len(tokens) == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN:
         return tokens[0].to_bytes(4, "little")  # a decode step's one token
     packer = _PACKERS.get(len(tokens))
@@ -85,7 +87,19 @@ def encode_tokens(tokens: Sequence[Token]) -> bytes:
     if not data[3::4].isascii():  # a top byte >= 0x80: a negative int
         for token in tokens:
             _encode_token(token)
+    if _has_bool(tokens, data):
+        for token in tokens:
+            _encode_token(token)
     return data
+
+
+def _has_bool(tokens: Sequence[Token], data: bytes) -> bool:
+    """Whether an int token is really a bool (`struct` packs True as 1). Bools pack as 0 and 1,
+    so a long run is checked only at the tokens with those values (numpy finds them)."""
+    if len(tokens) <= 128:
+        return bool in set(map(type, tokens))
+    small = np.flatnonzero(np.frombuffer(data, dtype=np.uint32) < 2)
+    return any(type(tokens[i]) is bool for i in small.tolist())
 
 
 MAX_CACHED_PACKER = 512
@@ -95,7 +109,7 @@ _PACKERS: dict[int, struct.Struct] = {}  # by token count: a block, a decode ste
 def _encode_token(token: object) -> bytes:
     if isinstance(token, int) and not isinstance(token, bool):
         if 0 <= token < MAX_TOKEN:
-            return token.to_bytes(4, "little")
+            return int(token).to_bytes(4, "little")
     elif isinstance(token, bytes) and len(token) == DIGEST_BYTES:
         return _DIGEST_MARKER + token
     raise ArgumentError(
@@ -296,35 +310,30 @@ class RadixTree:
 
     def match(self, scope_key: bytes, tokens: Sequence[Token], partial: bool) -> Match:
         """The longest prefix of `tokens` whose KV the tree holds in every layer group that the
-        next token needs (see `_usable_length`)."""
-        blocks, num_tokens = self._walk(scope_key, tokens, partial)
+        next token needs (see `_usable_length`). Every token is checked (`ArgumentError`),
+        whether or not the scope has blocks."""
+        encoded = encode_tokens(tokens) if tokens else b""
+        blocks, num_tokens = self._walk(scope_key, tokens, encoded, partial)
         usable = self._usable_length(blocks, num_tokens)
         tpb = self.layout.tokens_per_block
         return Match(blocks[: -(-usable // tpb)], usable)
 
     def _walk(
-        self, scope_key: bytes, tokens: Sequence[Token], partial: bool
+        self, scope_key: bytes, tokens: Sequence[Token], encoded: bytes, partial: bool
     ) -> tuple[list[Block], int]:
         """Blocks whose keys match, then (with `partial`) the child sharing the longest token
-        prefix with the rest; returns the blocks and the matched token count."""
+        prefix with the rest; returns the blocks and the matched token count. `encoded` is
+        `encode_tokens(tokens)`: sliced per block when every token took 4 bytes (no digests)."""
         node = self.roots.get(scope_key)
         if node is None:
             return [], 0
         tpb = self.layout.tokens_per_block
         blocks: list[Block] = []
         key, index = scope_key, self.index
-        # Tokens are encoded in chunks that double (4 blocks, 8, ...): one encoding call per
-        # chunk, and at most about twice the matched length encoded. With digest tokens (not
-        # 4 bytes each) every block is encoded on its own.
-        data, data_start, chunk, chunked = b"", 0, 4 * tpb, True
+        uniform = len(encoded) == 4 * len(tokens)
         for start in range(0, len(tokens) - tpb + 1, tpb):
-            if chunked and start + tpb > data_start + len(data) // 4:
-                part = tokens[start : start + chunk]
-                data_start, data, chunk = start, encode_tokens(part), 2 * chunk
-                chunked = len(data) == 4 * len(part)
-            if chunked:
-                offset = 4 * (start - data_start)
-                key = sha256(key + data[offset : offset + 4 * tpb]).digest()
+            if uniform:
+                key = sha256(key + encoded[4 * start : 4 * (start + tpb)]).digest()
             else:
                 key = block_key(key, tokens[start : start + tpb])
             found = index.get(key)
@@ -335,7 +344,10 @@ class RadixTree:
         matched = len(blocks) * tpb
         children = node.children if partial else []
         if children and len(children) <= MAX_CHILDREN_SCANNED:
-            rest = encode_tokens(tokens[matched : matched + tpb])
+            if uniform:
+                rest = encoded[4 * matched : 4 * (matched + tpb)]
+            else:
+                rest = encode_tokens(tokens[matched : matched + tpb])
             best, best_len = None, 0
             for child in children:
                 n = _common_token_prefix(child.data, rest)

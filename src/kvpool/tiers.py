@@ -5,18 +5,32 @@ next level, which may in turn push its own down; only the last level drops pages
 suspended request needs them) may move down but are never dropped: an allocation that would need
 that fails with `OutOfPagesError` before anything changed, because every cascade is planned with
 counts first and carried out only when the plan succeeds.
+
+Failures: a page a request locks or holds survives every failed operation. Bytes that must be
+read from a level that can fail (the disk) are read into RAM before anything changes, so a
+failed read changes nothing. A failed write while pages move down leaves each page either where
+it was or where it went (a batch moves whole or not at all); cached pages that eviction had
+already dropped or moved by then stay so: that is the one documented partial outcome.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
-from kvpool.errors import CorruptedError, OutOfPagesError
+from kvpool.config import CacheTier
+from kvpool.errors import CorruptedError, OutOfPagesError, StorageError
 from kvpool.eviction import EvictionQueue
 from kvpool.pages import Page
 from kvpool.storage.copier import Copier
-from kvpool.storage.memory import Bytes
-from kvpool.storage.pools import LevelStorage
+from kvpool.storage.memory import HostMemory
+from kvpool.storage.pools import LevelStorage, PoolGroup
+
+logger = logging.getLogger("kvpool")
+
+Credit = dict[tuple[int, int], int]
+"""Slots to count as free per (level, pool group) when planning (pages about to leave them)."""
 
 
 class _Plan:
@@ -34,6 +48,28 @@ class _Plan:
         self.free = free
         self.drops = [] if drops is None else drops
         self.moves = [] if moves is None else moves
+
+
+class Staged:
+    """Copies of some pages' bytes in RAM, one staging slot per page, read before anything
+    changes: a failed read raises with nothing changed, and the copy in RAM is what the pages
+    are later written from. `close()` releases the memory."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, PoolGroup] = {}  # per pool group: staging pools in RAM
+        self.slot_of: dict[int, int] = {}  # id(page) -> its staging slot
+
+    def has(self, page: Page) -> bool:
+        return id(page) in self.slot_of
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            group.close()
+        self.groups.clear()
+        self.slot_of.clear()
+
+
+_NOTHING_STAGED = Staged()
 
 
 class StorageManager:
@@ -74,12 +110,12 @@ class StorageManager:
         """Free slots plus evictable pages (an upper bound of what allocation can get)."""
         return self.num_free(level, pool_group) + self.num_evictable(level, pool_group)
 
-    def can_allocate(self, level: int, counts: Sequence[int]) -> bool:
+    def can_allocate(self, level: int, counts: Sequence[int], credit: Credit | None = None) -> bool:
         """Whether `counts[pg]` new slots per pool group can be made free at `level` (by
-        cascading eviction)."""
+        cascading eviction), counting `credit` slots as free too."""
         return all(
             count <= self.num_free(level, pool_group)
-            or self._plan(level, pool_group, count, count) is not None
+            or self._plan(level, pool_group, count, count, credit) is not None
             for pool_group, count in enumerate(counts)
         )
 
@@ -142,31 +178,83 @@ class StorageManager:
         `at_least` cannot be had."""
         if self.num_free(level, pool_group) >= count:
             return count
-        at_least = count if at_least is None else at_least
-        plan = self._plan(level, pool_group, count, at_least)
+        plan = self._plan_most(level, pool_group, count, count if at_least is None else at_least)
+        self._execute(plan)
+        return min(count, self.num_free(level, pool_group))
+
+    def _plan_most(
+        self, level: int, pool_group: int, want: int, at_least: int, credit: Credit | None = None
+    ) -> _Plan:
+        """The plan freeing the most slots up to `want` at `level`, at least `at_least`, or
+        `OutOfPagesError`. Evicting fewer of the oldest pages never needs more room below, so
+        when all `want` cannot be had the most that can is found by bisection."""
+        plan = self._plan(level, pool_group, want, at_least, credit)
+        if plan is None and at_least < want:
+            free = self.num_free(level, pool_group) + (credit or {}).get((level, pool_group), 0)
+            low, high = max(at_least, min(free, want)), want - 1
+            best = self._plan(level, pool_group, low, low, credit)
+            while best is not None and low < high:
+                middle = (low + high + 1) // 2
+                candidate = self._plan(level, pool_group, middle, middle, credit)
+                if candidate is None:
+                    high = middle - 1
+                else:
+                    low, best = middle, candidate
+            plan = best
         if plan is None:
             raise OutOfPagesError(
                 f"cannot free {at_least} slots in pool group {pool_group} at level {level}: "
                 f"{self.num_free(level, pool_group)} free, {self.num_evictable(level, pool_group)} "
                 "evictable, and the pages that would have to move are held with no room below"
             )
-        self._execute(plan)
-        return min(count, self.num_free(level, pool_group))
+        return plan
 
-    def _plan(self, level: int, pool_group: int, want: int, at_least: int) -> _Plan | None:
+    def _plan(
+        self, level: int, pool_group: int, want: int, at_least: int, credit: Credit | None = None
+    ) -> _Plan | None:
         """Plan freeing up to `want` (at least `at_least`) slots at `level`, or None."""
         free = self.num_free(level, pool_group)
+        if credit:
+            free += credit.get((level, pool_group), 0)
         if free >= want:
             return _Plan(free=want)
         victims = self.queues[level][pool_group].oldest(want - free)
         if free + len(victims) < at_least:
             return None
-        plan = self._plan_eviction(level, pool_group, victims)
+        plan = self._plan_eviction(level, pool_group, victims, credit)
+        if plan is None and level != self._last_level:
+            plan = self._plan_around_held(level, pool_group, want - free, at_least - free, credit)
         if plan is not None:
             plan.free += free
         return plan
 
-    def _plan_eviction(self, level: int, pool_group: int, victims: list[Page]) -> _Plan | None:
+    def _plan_around_held(
+        self, level: int, pool_group: int, want: int, at_least: int, credit: Credit | None
+    ) -> _Plan | None:
+        """The oldest pages include held ones that the levels below cannot take (their own
+        pages are held too): take, in queue order, as many held pages as the level below has
+        free slots for, and drop cached pages further back instead of the others."""
+        room = self.num_free(level + 1, pool_group)
+        if credit:
+            room += credit.get((level + 1, pool_group), 0)
+        held: list[Page] = []
+        droppable: list[Page] = []
+        for page in self.queues[level][pool_group]:
+            if not page.holds:
+                droppable.append(page)
+            elif len(held) < room:
+                held.append(page)
+            else:
+                continue
+            if len(held) + len(droppable) == want:
+                break
+        if len(held) + len(droppable) < at_least:
+            return None
+        return _Plan(free=len(held) + len(droppable), drops=droppable, moves=[(level, held)])
+
+    def _plan_eviction(
+        self, level: int, pool_group: int, victims: list[Page], credit: Credit | None = None
+    ) -> _Plan | None:
         """Plan where evicted pages go: held ones must find room below, droppable ones move
         down while there is room (the most valuable first) and are dropped otherwise."""
         if level == self.last_level:
@@ -174,7 +262,7 @@ class StorageManager:
             return _Plan(len(victims), victims)
         held = [page for page in victims if page.holds]
         droppable = [page for page in victims if not page.holds]
-        below = self._plan(level + 1, pool_group, len(victims), len(held))
+        below = self._plan(level + 1, pool_group, len(victims), len(held), credit)
         if below is None:
             return None
         keep = below.free - len(held)
@@ -189,7 +277,13 @@ class StorageManager:
     ) -> bool:
         """Give each pool group of `level` its new slot count (and the level a new quota):
         shrink first (freeing memory), then expand. False, with nothing changed, when a
-        shrinking group's pages that must stay do not fit."""
+        shrinking group's pages that must stay do not fit.
+
+        On a `StorageError` no page a request owns is lost and no shrink stays scheduled:
+        a failed move out of a removed slot range cancels every shrink (relocated pages keep
+        their new slots, the rest their old ones; cached pages already evicted to make room
+        stay evicted), and a failed grow undoes the grows before it and keeps the old quota
+        (the message says which pool groups had shrunk)."""
         storage = self.levels[level]
         old = storage.slot_counts
         shrinking = [pg for pg, (new, was) in enumerate(zip(counts, old, strict=True)) if new < was]
@@ -201,14 +295,38 @@ class StorageManager:
                     storage.pool_groups[done].allocator.cancel_shrink()
                 return False
             plans.append(plan)
-        for pg, plan in zip(shrinking, plans, strict=True):
-            self._execute(plan)
-            self.finish_shrink(level, pg, counts[pg])
+        try:
+            for pg, plan in zip(shrinking, plans, strict=True):
+                self._execute(plan)
+                self._relocate(level, pg)
+        except BaseException:
+            for pg in shrinking:
+                storage.pool_groups[pg].allocator.cancel_shrink()
+            raise
+        for pg in shrinking:  # every removed range is empty now: this cannot fail
+            storage.shrink_pool_group(pg, counts[pg])
+        old_quota = storage.quota
         if quota is not None:
             storage.quota = quota
-        for pg, (new, was) in enumerate(zip(counts, old, strict=True)):
-            if new > was:
-                storage.expand_pool_group(pg, new)
+        grown: list[int] = []
+        try:
+            for pg, (new, was) in enumerate(zip(counts, old, strict=True)):
+                if new > was:
+                    storage.expand_pool_group(pg, new)
+                    grown.append(pg)
+        except StorageError as error:
+            for pg in grown:  # their new slots were never handed out
+                storage.shrink_pool_group(pg, old[pg])
+            storage.quota = old_quota
+            shrunk = (
+                f"pool groups {shrinking} had shrunk to {[counts[pg] for pg in shrinking]} slots"
+                if shrinking
+                else "nothing was changed"
+            )
+            raise StorageError(
+                error.errno,
+                f"level {level}: {error.strerror}; the quota stays {old_quota}, {shrunk}",
+            ) from error
         return True
 
     def pages_that_must_stay(self, level: int) -> list[int]:
@@ -219,15 +337,14 @@ class StorageManager:
             for pages in self.pages[level]
         ]
 
-    def finish_shrink(self, level: int, pool_group: int, new_num_slots: int) -> None:
-        """After the planned evictions: move the pages left in the removed range into free
-        slots below it (defragmenting copy), then shrink the allocator and the memory."""
+    def _relocate(self, level: int, pool_group: int) -> None:
+        """After a shrink's planned evictions: move the pages left in the removed range into
+        free slots below it (a defragmenting copy)."""
         allocator = self.levels[level].pool_groups[pool_group].allocator
         blocking = [self.pages[level][pool_group][i] for i in allocator.get_slots_blocking_shrink()]
         if blocking:
             self._migrate_batch(blocking, level, level, pool_group)
             self.num_relocated += len(blocking)
-        self.levels[level].shrink_pool_group(pool_group, new_num_slots)
 
     def _plan_shrink(self, level: int, pool_group: int, new_num_slots: int) -> _Plan | None:
         """Schedule the allocator's shrink and plan the evictions it needs (or cancel, None)."""
@@ -265,15 +382,22 @@ class StorageManager:
         self, level: int, pool_group: int, count: int, fallback: Sequence[Page]
     ) -> None:
         """Free `count` slots, by the usual cascade if it can, else by evicting the given
-        evictable, unheld `fallback` pages (moved down where there is room, else dropped)."""
+        evictable, unheld `fallback` pages (moved down where there is room, else dropped).
+        Never fails when the fallback pages suffice: a failed move down drops them instead."""
         try:
             self.make_room(level, pool_group, count)
-        except OutOfPagesError:
-            need = count - self.num_free(level, pool_group)
-            victims = [page for page in fallback if page.slot is not None and page.queued][:need]
-            if len(victims) < need:
-                raise
+            return
+        except (OutOfPagesError, StorageError) as error:
+            failure: BaseException = error
+        need = count - self.num_free(level, pool_group)
+        victims = [page for page in fallback if page.slot is not None and page.queued][:need]
+        if len(victims) < need:
+            raise failure
+        try:
             self._evict_pages(victims, level, pool_group)
+        except StorageError as error:
+            logger.warning("moving cached pages down failed (%s): dropping them instead", error)
+            self._drop_all([page for page in victims if page.queued and page.level == level])
 
     def _evict_pages(self, victims: list[Page], level: int, pool_group: int) -> None:
         if level == self.last_level:
@@ -326,19 +450,25 @@ class StorageManager:
 
     # -- migration -------------------------------------------------------------------------------
 
-    def migrate(self, pages: Sequence[Page], level: int) -> None:
+    def migrate(self, pages: Sequence[Page], level: int, staged: Staged = _NOTHING_STAGED) -> None:
         """Move pages (any levels, one pool group each) to `level`, copying their bytes in
-        batches. The destination must have free slots. On a copy error nothing moves: the
-        error is raised, the sources stay valid and the destination slots are released."""
+        batches (from their RAM copies where `staged` has them). The destination must have free
+        slots. On a copy error the failing batch does not move: the error is raised, its
+        sources stay valid and its destination slots are released."""
         batches: dict[tuple[int, int], list[Page]] = {}
         for page in pages:
             if page.level != level:
                 batches.setdefault((page.level, page.pool_group), []).append(page)
         for (source_level, pool_group), batch in batches.items():
-            self._migrate_batch(batch, source_level, level, pool_group)
+            self._migrate_batch(batch, source_level, level, pool_group, staged)
 
     def _migrate_batch(
-        self, batch: list[Page], source_level: int, level: int, pool_group: int
+        self,
+        batch: list[Page],
+        source_level: int,
+        level: int,
+        pool_group: int,
+        staged: Staged = _NOTHING_STAGED,
     ) -> None:
         allocator = self.levels[level].pool_groups[pool_group].allocator
         slots = allocator.allocate_multiple(len(batch))
@@ -346,16 +476,20 @@ class StorageManager:
             if slot.ready_event is not None:
                 slot.ready_event.wait()  # the slot's previous copy must be done before we write
         source_group = self.levels[source_level].pool_groups[pool_group]
-        event = self.copier.copy(
-            source_group,
-            self.levels[level].pool_groups[pool_group],
-            [(page.slot_id, slot.slot_id) for page, slot in zip(batch, slots, strict=True)],
-        )
+        target_group = self.levels[level].pool_groups[pool_group]
+        if staged.slot_of and staged.has(batch[0]):
+            copy_from, slot_of = staged.groups[pool_group], staged.slot_of
+            pairs = [
+                (slot_of[id(page)], slot.slot_id) for page, slot in zip(batch, slots, strict=True)
+            ]
+        else:
+            copy_from = source_group
+            pairs = [(page.slot_id, slot.slot_id) for page, slot in zip(batch, slots, strict=True)]
+        event = self.copier.copy(copy_from, target_group, pairs)
         try:
             event.check()
         except BaseException:
-            for slot in slots:
-                allocator.release(slot)
+            allocator.release_multiple(slots)
             raise
         source_pages, target_pages = (
             self.pages[source_level][pool_group],
@@ -385,51 +519,104 @@ class StorageManager:
             self.num_moved[level] += len(batch)
             self.bytes_moved[level] += len(batch) * sum(source_group.slot_sizes)
 
+    def stage(self, pages: Sequence[Page], every: bool = False) -> Staged:
+        """Read the bytes of those `pages` that live on a disk level (or of all of them, with
+        `every`) into RAM. A failed read raises `StorageError` with nothing changed."""
+        staged = Staged()
+        wanted = [page for page in pages if every or self.levels[page.level].tier is CacheTier.DISK]
+        batches: dict[tuple[int, int], list[Page]] = {}
+        for page in wanted:
+            batches.setdefault((page.level, page.pool_group), []).append(page)
+        sizes = Counter(page.pool_group for page in wanted)
+        try:
+            for pool_group, count in sizes.items():
+                staged.groups[pool_group] = PoolGroup(
+                    self.levels[0].pool_groups[pool_group].slot_sizes,
+                    count,
+                    lambda pool, size: HostMemory(size),
+                )
+            taken = Counter[int]()
+            for (level, pool_group), batch in batches.items():
+                first = taken[pool_group]
+                taken[pool_group] += len(batch)
+                pairs = [(page.slot_id, first + i) for i, page in enumerate(batch)]
+                self.copier.copy(
+                    self.levels[level].pool_groups[pool_group], staged.groups[pool_group], pairs
+                ).check()
+                for i, page in enumerate(batch):
+                    staged.slot_of[id(page)] = first + i
+        except BaseException:
+            staged.close()
+            raise
+        return staged
+
     def bring_to(self, pages: Sequence[Page], level: int, extra: Sequence[int]) -> bool:
         """Move `pages` (locked by the caller, so never chosen for eviction) to `level` and
         leave `extra[pg]` more free slots there, pushing other pages down as needed. All or
-        nothing: False when it cannot be done.
+        nothing: False, with nothing changed and no I/O, when it cannot be done.
 
-        When the colder levels are full too, the pages swap places with the pages they push
-        down: their bytes are staged in RAM, their slots freed for the pushed pages, and then
-        written to their new slots."""
+        Pages on disk are read into RAM first, so a failed read changes nothing. When the
+        colder levels are full too (partly with `pages` themselves), the pages swap places
+        with the pages they push down: all their bytes are staged in RAM, their slots freed
+        for the pushed pages, and then written to their new slots. If pushing fails half way,
+        each staged page is written back to a free slot (its old level first)."""
         needs = list(extra)
-        for page in pages:
-            if page.level != level:
-                needs[page.pool_group] += 1
+        moving = [page for page in pages if page.level != level]
+        for page in moving:
+            needs[page.pool_group] += 1
         if self.can_allocate(level, needs):
-            for pool_group, count in enumerate(needs):
-                if count:
-                    self.make_room(level, pool_group, count)
-            self.migrate(pages, level)
+            staged = self.stage(moving)
+            try:
+                for pool_group, count in enumerate(needs):
+                    if count:
+                        self.make_room(level, pool_group, count)
+                self.migrate(moving, level, staged)
+            finally:
+                staged.close()
             return True
-        staged = [
-            (page, page.level, self._read_page(page)) for page in pages if page.level != level
-        ]
-        if not staged:
+        credit = Counter((page.level, page.pool_group) for page in moving)
+        if not moving or not self.can_allocate(level, needs, credit):
             return False
-        for page, _, _ in staged:
-            self._release_slot(page)
-        if not self.can_allocate(level, needs):
-            for page, old_level, data in staged:  # put them back where they were
-                self._place(page, [old_level], data)
-            return False
-        self.num_swapped += len(staged)
+        staged = self.stage(moving, every=True)
+        homes = [page.level for page in moving]
         try:
-            for pool_group, count in enumerate(needs):
-                if count:
-                    self.make_room(level, pool_group, count)
-        finally:  # on an I/O error, keep every page somewhere, the GPU level first
-            for page, old_level, data in staged:
-                self._place(page, [level, old_level, *range(len(self.levels))], data)
+            for page in moving:
+                self._release_slot(page)
+            try:
+                for pool_group, count in enumerate(needs):
+                    if count:
+                        self.make_room(level, pool_group, count)
+            except BaseException:
+                for page, home in zip(moving, homes, strict=True):
+                    self._place(page, [home, level], staged)
+                raise
+            for page, home in zip(moving, homes, strict=True):
+                self._place(page, [level, home], staged)
+        finally:
+            staged.close()
+        self.num_swapped += len(moving)
         return True
 
-    def _read_page(self, page: Page) -> list[Bytes]:
-        group = self.levels[page.level].pool_groups[page.pool_group]
-        return [
-            memory.read(page.slot_id * size, size)
-            for memory, size in zip(group.memories, group.slot_sizes, strict=True)
+    def lift(self, pages: Sequence[Page], level: int) -> None:
+        """Move as many of `pages` (colder than `level`, locked by the caller) up to `level`
+        as it can take by pushing other pages down (best effort). Disk pages are read into RAM
+        first, so a failed read changes nothing."""
+        by_group: dict[int, list[Page]] = {}
+        for page in pages:
+            by_group.setdefault(page.pool_group, []).append(page)
+        plans = [
+            (pool_group, group_pages, self._plan_most(level, pool_group, len(group_pages), 0))
+            for pool_group, group_pages in by_group.items()
         ]
+        fitting = [page for _, group_pages, plan in plans for page in group_pages[: plan.free]]
+        staged = self.stage(fitting)
+        try:
+            for pool_group, group_pages, plan in plans:
+                self._execute(plan)
+                room = min(plan.free, self.num_free(level, pool_group))
+                self.migrate(group_pages[:room], level, staged)
+        finally:
+            staged.close()
 
     def _release_slot(self, page: Page) -> None:
         """Take a (staged) page out of its slot; `_place` gives it a new one."""
@@ -438,33 +625,55 @@ class StorageManager:
         self.levels[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
         page.slot = None
 
-    def _place(self, page: Page, levels: Sequence[int], data: list[Bytes]) -> None:
-        for level in levels:
+    def _place(self, page: Page, levels: Sequence[int], staged: Staged) -> None:
+        """Write a staged page into a free slot: of the first of `levels` with one, else of any
+        level, trying the next free slot when a write fails."""
+        source = staged.groups[page.pool_group]
+        pair = [(staged.slot_of[id(page)], 0)]
+        failure: BaseException | None = None
+        for level in dict.fromkeys([*levels, *range(len(self.levels))]):
             group = self.levels[level].pool_groups[page.pool_group]
-            if group.allocator.num_free_slots:
-                slot = group.allocator.allocate()
-                if slot.ready_event is not None:
-                    slot.ready_event.wait()
-                for memory, size, part in zip(group.memories, group.slot_sizes, data, strict=True):
-                    memory.write(slot.slot_id * size, part)
-                page.slot, page.level = slot, level
-                self.pages[level][page.pool_group][slot.slot_id] = page
-                self.settle(page)
-                return
-        raise CorruptedError(f"no free slot at any level for staged {page}: its KV is lost")
+            if not group.allocator.num_free_slots:
+                continue
+            slot = group.allocator.allocate()
+            if slot.ready_event is not None:
+                slot.ready_event.wait()
+            try:
+                self.copier.copy(source, group, [(pair[0][0], slot.slot_id)]).check()
+            except StorageError as error:
+                group.allocator.release(slot)
+                failure = error
+                continue
+            page.slot, page.level = slot, level
+            self.pages[level][page.pool_group][slot.slot_id] = page
+            self.settle(page)
+            return
+        raise CorruptedError(
+            f"no level could take staged {page} (last write error: {failure}): its KV is lost"
+        )
 
-    def copy_pages(self, pairs: Iterable[tuple[Page, Page]]) -> None:
-        """Copy each source page's bytes into its destination page (any levels)."""
+    def copy_pages(
+        self, pairs: Iterable[tuple[Page, Page]], staged: Staged = _NOTHING_STAGED
+    ) -> None:
+        """Copy each source page's bytes (from its RAM copy where `staged` has it) into its
+        destination page (any levels)."""
         batches: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        sources: dict[tuple[int, int, int], PoolGroup] = {}
         for source, destination in pairs:
             assert source.pool_group == destination.pool_group
-            key = (source.level, destination.level, source.pool_group)
-            batches.setdefault(key, []).append((source.slot_id, destination.slot_id))
+            pool_group = source.pool_group
+            if staged.has(source):
+                key = (-1, destination.level, pool_group)
+                sources[key] = staged.groups[pool_group]
+                slot = staged.slot_of[id(source)]
+            else:
+                key = (source.level, destination.level, pool_group)
+                sources[key] = self.levels[source.level].pool_groups[pool_group]
+                slot = source.slot_id
+            batches.setdefault(key, []).append((slot, destination.slot_id))
         events = [
-            self.copier.copy(
-                self.levels[src].pool_groups[pg], self.levels[dst].pool_groups[pg], slot_pairs
-            )
-            for (src, dst, pg), slot_pairs in batches.items()
+            self.copier.copy(sources[key], self.levels[key[1]].pool_groups[key[2]], slot_pairs)
+            for key, slot_pairs in batches.items()
         ]
         for event in events:
             event.check()
@@ -498,6 +707,17 @@ class StorageManager:
                 self.queues[page.level][page.pool_group].push(page)
         elif page.queued:
             self.queues[page.level][page.pool_group].remove(page)
+
+    def set_priority(self, page: Page, priority: int) -> None:
+        """Change a page's eviction priority; a queued page moves to its new priority's list
+        (as its newest page)."""
+        if page.queued:
+            queue = self.queues[page.level][page.pool_group]
+            queue.remove(page)
+            page.priority = priority
+            queue.push(page)
+        else:
+            page.priority = priority
 
     # Owner counts change only through these; each settles the page only when its status can
     # have changed (a page with locks left stays locked whatever its holds).

@@ -130,6 +130,43 @@ class CheckingEngine:
                 )
             self.records_checked += int(positions.size)
 
+    def check_anywhere(self, cache: KVCache, tokens: Sequence[Token]) -> None:
+        """`check` for a request in any state: each page's records are read at whatever level
+        the page is (a suspended request's pages may be on the host or the disk)."""
+        tpb, history = self.tpb, cache.history_length
+        storage = self.manager._storage
+        for placement, role_index, ssm in self.buffers:
+            pages = cache.pages(placement.layer_group)
+            for index, page in enumerate(pages):
+                if page is None:
+                    continue
+                pool = storage.levels[page.level].pool_groups[page.pool_group]
+                row = page.slot_id * placement.buffers_per_slot + placement.position
+                data = pool.memories[placement.pool].read(row * placement.size, placement.size)
+                values: Any = data.view(np.int32)
+                if ssm:
+                    state = values.reshape(-1, 4)[0].tolist()
+                    last = token_value(tokens[history - 1]) if history else None
+                    expected = [last, history, placement.layer_id, role_index]
+                    if history and state != expected:
+                        raise AssertionError(
+                            f"cache {cache.id} SSM state of layer {placement.layer_id} at "
+                            f"level {page.level}: {state} != {expected}"
+                        )
+                    continue
+                records = values.reshape(tpb, -1, 4)
+                for position in range(index * tpb, min((index + 1) * tpb, history)):
+                    expected = [token_value(tokens[position]), position, placement.layer_id]
+                    expected.append(role_index)
+                    got = records[position % tpb]
+                    if (got != expected).any():
+                        raise AssertionError(
+                            f"cache {cache.id} layer {placement.layer_id} {placement.role} at "
+                            f"level {page.level}: position {position} holds {got[0].tolist()}, "
+                            f"expected {list(expected)}"
+                        )
+                    self.records_checked += 1
+
     def step(self, cache: KVCache, tokens: Sequence[Token], new_tokens: Sequence[Token]) -> bool:
         """One engine step: reserve, compute (write) the new tokens, commit them. Returns False
         (nothing changed) when the manager has no pages for it."""

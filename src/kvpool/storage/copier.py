@@ -171,6 +171,13 @@ def _copy_cuda(
             )
         return torch.from_numpy(array)
 
+    if isinstance(source, DiskMemory) or isinstance(destination, DiskMemory):
+        # No direct path between a file and CUDA memory: bounce each run through host memory.
+        for run in runs(pairs):
+            for s, d, n in contiguous(run, 1):
+                data = source.read(s * size, n * size)
+                destination.write(d * size, data)
+        return
     src, dst = tensor_of(source), tensor_of(destination)
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call,unused-ignore]
     with torch.cuda.stream(stream):

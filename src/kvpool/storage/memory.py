@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import mmap
 import os
+import sys
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -25,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.errors import ArgumentError, StorageError
+from kvpool.validation import check_int, is_int
 
 PAGE_SIZE = mmap.PAGESIZE
 # Not exported by Python 3.11's mmap module; the value is the same on every Linux architecture.
@@ -68,20 +71,42 @@ class Memory(ABC):
 
 
 def _check_size(name: str, value: int, maximum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ArgumentError(f"{name}={value!r} is invalid: must be an integer >= 0")
-    if maximum is not None and value > maximum:
+    if maximum is not None and is_int(value) and value > maximum:
         raise ArgumentError(f"{name}={value!r} is invalid: must be <= the reserved {maximum} bytes")
+    check_int(name, value, 0)
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _reserve(size: int) -> mmap.mmap:
     """Anonymous private address space; MAP_NORESERVE: memory is committed only on touch."""
-    return mmap.mmap(
-        -1,
-        max(size, 1),
-        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-        prot=mmap.PROT_READ | mmap.PROT_WRITE,
-    )
+    try:
+        return mmap.mmap(
+            -1,
+            max(size, 1),
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+    except (OSError, OverflowError) as error:
+        available = available_host_memory()
+        shown = (
+            "unknown" if available is None else f"{available} bytes ({available / 2**30:.1f} GiB)"
+        )
+        raise StorageError(
+            errno.ENOMEM,
+            f"cannot reserve {size} bytes ({size / 2**30:.1f} GiB) of host memory: {error}; "
+            f"available: {shown}",
+        ) from error
 
 
 class HostMemory(Memory):
@@ -166,12 +191,7 @@ class DiskMemory(Memory):
             raise ArgumentError(
                 f"directory={self.directory!r} is invalid: must be an existing directory"
             )
-        try:
-            self._fd = os.open(self.directory, os.O_TMPFILE | os.O_RDWR, 0o600)
-        except OSError:
-            # Filesystems without O_TMPFILE: create a named file and unlink it at once.
-            self._fd, path = tempfile.mkstemp(dir=self.directory, prefix="kvpool-")
-            os.unlink(path)
+        self._fd = self._create_file()
         self._size = 0
         try:
             self.resize(size)
@@ -187,6 +207,30 @@ class DiskMemory(Memory):
     def fileno(self) -> int:
         return self._fd
 
+    def _create_file(self) -> int:
+        """An unlinked file in the directory (`StorageError` naming it when that fails)."""
+        try:
+            return os.open(self.directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError:
+            pass
+        # Filesystems without O_TMPFILE: create a named file and unlink it at once.
+        try:
+            fd, path = tempfile.mkstemp(dir=self.directory, prefix="kvpool-")
+        except OSError as error:
+            code = error.errno or errno.EIO
+            raise StorageError(
+                code,
+                f"cannot create the disk level's file in {self.directory}: {os.strerror(code)}",
+            ) from error
+        try:
+            os.unlink(path)
+        except OSError as error:
+            os.close(fd)
+            raise StorageError(
+                error.errno or errno.EIO, f"cannot unlink {path}: {os.strerror(error.errno or 5)}"
+            ) from error
+        return fd
+
     def resize(self, new_size: int) -> None:
         _check_size("new_size", new_size)
         self._require_open()
@@ -194,14 +238,22 @@ class DiskMemory(Memory):
             try:
                 os.posix_fallocate(self._fd, self._size, new_size - self._size)
             except OSError as error:
-                os.ftruncate(self._fd, self._size)
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, self._size)
                 raise StorageError(
                     error.errno,
                     f"cannot grow the disk level in {self.directory} from {self._size} to "
                     f"{new_size} bytes: {os.strerror(error.errno or errno.EIO)}",
                 ) from error
         else:
-            os.ftruncate(self._fd, new_size)
+            try:
+                os.ftruncate(self._fd, new_size)
+            except OSError as error:
+                raise StorageError(
+                    error.errno,
+                    f"cannot shrink the disk level in {self.directory} to {new_size} bytes: "
+                    f"{os.strerror(error.errno or errno.EIO)}",
+                ) from error
         self._size = new_size
 
     def read(self, offset: int, nbytes: int) -> Bytes:
@@ -268,13 +320,36 @@ class DiskMemory(Memory):
         )
 
 
+CUDA_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm)
+
+
 def cuda_available() -> bool:
-    """True when torch is installed and sees a CUDA device."""
-    try:
-        import torch
-    except ImportError:
-        return False
+    """True when torch is installed and sees a CUDA (or ROCm) device. Torch is imported only
+    when it is imported already or a GPU driver's device file exists: importing it costs
+    seconds and hundreds of MiB, which a machine without a GPU should not pay."""
+    if "torch" not in sys.modules:
+        if importlib.util.find_spec("torch") is None:
+            return False
+        if not any(os.path.exists(path) for path in CUDA_DEVICE_FILES):
+            return False
+    import torch
+
     return bool(torch.cuda.is_available())
+
+
+def _cuda_bytes(size: int) -> Any:
+    """An uninitialized CUDA byte tensor; `StorageError` (ENOMEM) when the device is full."""
+    import torch
+
+    try:
+        return torch.empty(size, dtype=torch.uint8, device="cuda")
+    except RuntimeError as error:  # torch.OutOfMemoryError is one
+        free, total = torch.cuda.mem_get_info()
+        raise StorageError(
+            errno.ENOMEM,
+            f"cannot allocate {size} bytes ({size / 2**30:.1f} GiB) of CUDA memory: "
+            f"{free} bytes free of {total}",
+        ) from error
 
 
 class DeviceMemory(Memory):
@@ -285,10 +360,8 @@ class DeviceMemory(Memory):
         self._host: HostMemory | None = None
         self._tensor: Any = None
         if cuda_available():
-            import torch
-
             self.kind = "cuda"
-            self._tensor = torch.empty(size, dtype=torch.uint8, device="cuda")
+            self._tensor = _cuda_bytes(size)
         else:
             self.kind = "host (no CUDA device)"
             self._host = HostMemory(size, max_size)
@@ -322,15 +395,12 @@ class DeviceMemory(Memory):
         if self._host is not None:
             self._host.resize(new_size)
             return
-        import torch
 
         old = self._tensor
         keep = min(new_size, int(old.numel()))
-        if keep == new_size:
-            self._tensor = old[:new_size].clone()
-        else:
-            self._tensor = torch.empty(new_size, dtype=torch.uint8, device=old.device)
-            self._tensor[:keep].copy_(old[:keep])
+        fresh = _cuda_bytes(new_size)
+        fresh[:keep].copy_(old[:keep])
+        self._tensor = fresh
 
     def read(self, offset: int, nbytes: int) -> Bytes:
         if self._host is not None:

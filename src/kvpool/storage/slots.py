@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import numpy as np
 
 from kvpool import _debug
 from kvpool.errors import ArgumentError, CorruptedError, LogicError, OutOfPagesError
+from kvpool.validation import check_int
 
 
 class ReadyEvent(Protocol):
@@ -60,7 +61,7 @@ class SlotAllocator:
     def __init__(self, capacity: int, make_handles: bool = False) -> None:
         """`make_handles`: make every slot handle now (and on expand), not when its id is first
         issued (for the GPU level: its engine loop then creates no objects from the start)."""
-        _check_int("capacity", capacity, 0, None)
+        check_int("capacity", capacity, 0)
         self._capacity = capacity
         self._target = capacity
         self._num_active = 0
@@ -135,7 +136,7 @@ class SlotAllocator:
     def allocate_multiple(self, count: int) -> list[Slot]:
         """`count` slots, in `allocate()` order, or `OutOfPagesError` and nothing allocated."""
         if type(count) is not int or count < 0:
-            _check_int("count", count, 0, None)
+            check_int("count", count, 0)
         free = len(self._recycled) + len(self._waiting) + max(self._target - self._num_active, 0)
         if count > free:  # (`num_free_slots`, inlined)
             raise OutOfPagesError(f"need {count} free slots, only {free} are free")
@@ -182,13 +183,17 @@ class SlotAllocator:
     ) -> None:
         """`release` each slot; all or nothing (a bad slot raises before any is released)."""
         own, active = self._slots, self._num_active
-        for index, slot in enumerate(slots):
-            slot_id = slot.slot_id
-            if slot.released or slot_id >= active or own[slot_id] is not slot:
-                for earlier in slots[:index]:
-                    earlier.released = False
-                self._refuse_release(slot, slots)
-            slot.released = True  # also catches a slot given twice
+        index = 0
+        try:
+            for index, slot in enumerate(slots):  # noqa: B007 (read after the loop)
+                slot_id = slot.slot_id
+                if slot.released or not 0 <= slot_id < active or own[slot_id] is not slot:
+                    raise LookupError
+                slot.released = True  # also catches a slot given twice
+        except (LookupError, AttributeError, TypeError):
+            for earlier in slots[:index]:
+                earlier.released = False
+            self._refuse_release(slots[index], slots)
         # File each id as recycled, waiting (its last use still runs) or overflow.
         target, recycled = self._target, self._recycled
         for slot in slots:
@@ -207,7 +212,9 @@ class SlotAllocator:
         if _debug.DEBUG:
             self.check_invariants()
 
-    def _refuse_release(self, slot: Slot, slots: Sequence[Slot]) -> None:
+    def _refuse_release(self, slot: Slot, slots: Sequence[Slot]) -> NoReturn:
+        if not isinstance(slot, Slot):
+            raise ArgumentError(f"slot={slot!r} is invalid: must be a Slot of this allocator")
         if sum(other is slot for other in slots) > 1:
             raise LogicError(f"slot {slot.slot_id} is given twice")
         if slot.released:
@@ -221,7 +228,7 @@ class SlotAllocator:
         (now or when released) wait in overflow."""
         if self.shrink_in_progress:
             raise LogicError(f"a shrink to {self._target} is already in progress")
-        _check_int("new_capacity", new_capacity, 0, self._capacity - 1)
+        check_int("new_capacity", new_capacity, 0, self._capacity - 1)
         for name in ("_recycled", "_waiting"):
             kept: deque[Slot] = deque()
             for slot in getattr(self, name):
@@ -269,7 +276,7 @@ class SlotAllocator:
         """Grow to `new_capacity` slots (no shrink may be in progress)."""
         if self.shrink_in_progress:
             raise LogicError(f"cannot expand while a shrink to {self._target} is in progress")
-        _check_int("new_capacity", new_capacity, self._capacity + 1, None)
+        check_int("new_capacity", new_capacity, self._capacity + 1)
         if self._make_handles:
             self._slots += map(Slot, range(len(self._slots), new_capacity))
         self._capacity = self._target = new_capacity
@@ -317,21 +324,3 @@ class SlotAllocator:
             problems.append("a recycled id has a ready event")
         if problems:
             raise CorruptedError("SlotAllocator: " + "; ".join(problems))
-
-
-def _check_int(name: str, value: object, low: int, high: int | None) -> None:
-    """Raise `ArgumentError` unless `value` is an int in [low, high] (no upper bound if None)."""
-    if (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and value >= low
-        and (high is None or value <= high)
-    ):
-        return
-    if high is None:
-        allowed = f"an integer >= {low}"
-    elif high < low:
-        allowed = "an integer in an empty range (no value is valid in the current state)"
-    else:
-        allowed = f"an integer in [{low}, {high}]"
-    raise ArgumentError(f"{name}={value!r} is invalid: must be {allowed}")
