@@ -7,8 +7,11 @@ counts the calls it saw, so that a test can assert that it reached the I/O point
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvpool import CacheTier, KVCacheManager
@@ -28,24 +31,34 @@ def disk_fds(manager: KVCacheManager) -> set[int]:
 @dataclass
 class DiskFaults:
     """Arm with `fail(call, code, skip=0, times=1)`: after `skip` more calls of `call` on the
-    manager's disk files succeed, the next `times` raise `OSError(code)`."""
+    manager's disk files succeed, the next `times` raise `OSError(code)` (`KeyboardInterrupt`
+    for code None: Ctrl-C in the middle of the I/O)."""
 
     manager: KVCacheManager
     calls: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CALLS, 0))
     injected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CALLS, 0))
-    _plan: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # skip, times, code
+    _plan: dict[str, tuple[int, int, int | None]] = field(default_factory=dict)  # skip, times, code
 
     def install(self, monkeypatch) -> DiskFaults:
         for name in CALLS:
             monkeypatch.setattr(os, name, self._wrap(name, getattr(os, name)))
         return self
 
-    def fail(self, call: str, code: int = errno.EIO, skip: int = 0, times: int = 1) -> None:
+    def fail(self, call: str, code: int | None = errno.EIO, skip: int = 0, times: int = 1) -> None:
         assert call in CALLS, call
         self._plan[call] = (skip, times, code)
 
     def disarm(self) -> None:
         self._plan.clear()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No fault fires inside (a test's own reads, for instance)."""
+        plan, self._plan = self._plan, {}
+        try:
+            yield
+        finally:
+            self._plan = plan
 
     @property
     def total_injected(self) -> int:
@@ -53,20 +66,27 @@ class DiskFaults:
 
     def _wrap(self, name, real):
         def call(fd, *args):
-            if fd in disk_fds(self.manager):
+            if self._plan and fd in disk_fds(self.manager):
                 self.calls[name] += 1
                 plan = self._plan.get(name)
-                if plan is not None:
+                # Ctrl-C reaches only the main thread: an interrupt is injected there alone.
+                if plan is not None and (plan[2] is not None or _in_main_thread()):
                     skip, times, code = plan
                     if skip:
                         self._plan[name] = (skip - 1, times, code)
                     elif times:
                         self._plan[name] = (0, times - 1, code)
                         self.injected[name] += 1
+                        if code is None:
+                            raise KeyboardInterrupt
                         raise OSError(code, os.strerror(code))
             return real(fd, *args)
 
         return call
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
 
 
 def page_locations(manager: KVCacheManager) -> dict[int, tuple[int, int, int]]:

@@ -14,6 +14,7 @@ later request can reuse a prefix only up to such a snapshot.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from kvpool.tiers import Staged, StorageManager
 
 GPU_LEVEL = 0
+logger = logging.getLogger("kvpool")
 PriorityCallback = Callable[[int, int], int]
 """(block ordinal, layer group id) -> eviction priority in [0, 100]; lower is evicted first.
 Called for every layer group of every block a commit fills (or the tail `stop_committing`
@@ -206,24 +208,18 @@ class KVCache:
             )
         storage = self._ctx.storage
         check_index("level", level, len(storage.levels))
-        colder = [
-            page
-            for pages in self._pages
-            for page in pages
-            if page is not None and page.level > level
-        ]
-        colder += [
-            page for _, _, page in self._deferred if page.level > level and page not in colder
-        ]
-        for page in colder:
-            storage.lock(page)  # not evictable while we make room
+        ours = [page for pages in self._pages for page in pages if page is not None]
+        ours += [page for _, index, page in self._deferred if index < 0]  # SSM snapshots
+        ours = list(dict.fromkeys(ours))  # a page twice (shared by two blocks) is locked once
+        for page in ours:
+            storage.lock(page)  # none of ours is evicted to make room for the others
         try:
-            storage.lift(colder, level)
+            storage.lift([page for page in ours if page.level > level], level)
         finally:
-            for page in colder:
+            for page in ours:
                 storage.unlock(page)
         self._after_call()
-        return all(page.level <= level for page in colder)
+        return all(page.level <= level for page in ours)
 
     def _make_private_copies(self, staged: Staged) -> None:
         """First resume: copy a partially reused block and a reused SSM snapshot (from its RAM
@@ -368,13 +364,15 @@ class KVCache:
         fresh = [0] * layout.num_pool_groups  # slots to allocate per pool group
         for g, wanted in grants.items():
             fresh[layout.pool_group_of[g]] += len(wanted) - len(recycle.get(g, ()))
-        # Make room before releasing anything, so that a refusal changes nothing; the pages
-        # released below then cover the rest.
-        first = fresh
-        if freed_committed:
+        # Make room before releasing anything, so that a refusal (or an I/O error) changes
+        # nothing: by the usual eviction if it can, else by dropping our own released cached
+        # pages afterwards (which needs no I/O).
+        drop_own = False
+        if not storage.reserve(GPU_LEVEL, fresh):
             first = [max(0, n - len(freed_committed.get(pg, ()))) for pg, n in enumerate(fresh)]
-        if not storage.reserve(GPU_LEVEL, first):
-            return False
+            if not freed_committed or not storage.reserve(GPU_LEVEL, first):
+                return False
+            drop_own = True
         recycled: dict[int, list[Page]] = {}
         for g, index in releases:
             if index in recycle.get(g, ()):
@@ -386,10 +384,11 @@ class KVCache:
                 self._clear_page(g, index)
         for g in self._attention_groups:
             self._table.resize(g, new_blocks)
-        for pool_group, pages_freed in freed_committed.items():
-            count = fresh[pool_group]
-            if count > storage.num_free(GPU_LEVEL, pool_group):
-                storage.make_room_evicting(GPU_LEVEL, pool_group, count, pages_freed)
+        if drop_own:
+            for pool_group, pages_freed in freed_committed.items():
+                missing = fresh[pool_group] - storage.num_free(GPU_LEVEL, pool_group)
+                if missing > 0:
+                    storage.drop([page for page in pages_freed if page.queued][:missing])
         for g, wanted in grants.items():
             reuse = recycled.get(g, [])
             reuse += self._new_pages(g, len(wanted) - len(reuse))
@@ -437,6 +436,12 @@ class KVCache:
         if type(tokens) is not tuple and type(tokens) is not list:
             tokens = token_list("tokens", tokens)
         count = len(tokens)
+        encoded: bytes | None = None
+        one = count == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN
+        if not one:
+            encoded = encode_tokens(tokens)  # validates before anything changes
+            if len(encoded) != 4 * count:
+                encoded = None  # digest tokens: blocks are encoded one by one
         committed = self._committed + count
         if committed > self._capacity:
             raise LogicError(
@@ -444,30 +449,33 @@ class KVCache:
                 f"capacity is {self._capacity}"
             )
         tail = self._tail
-        encoded: bytes | None = None
-        one = count == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN
-        if not one:
-            encoded = encode_tokens(tokens)  # validates before anything changes
-            if len(encoded) != 4 * count:
-                encoded = None  # digest tokens: blocks are encoded one by one
-        priorities = None
-        if self._priority_callback is not None and len(tail) + count >= self._tpb:
-            first = (self._committed - len(tail)) // self._tpb
-            priorities = self._priorities(first, (len(tail) + count) // self._tpb)
+        filled = len(tail) + count
+        priorities = snapshots = None
+        if filled >= self._tpb:
+            if self._priority_callback is not None:
+                first = (self._committed - len(tail)) // self._tpb
+                priorities = self._priorities(first, filled // self._tpb)
+            if self._ssm and filled % self._tpb == 0:
+                snapshots = self._snapshot_pages()
+        # Nothing has changed so far.
         if one:
             tail.append(tokens[0])  # a decode step: nothing to encode before the block is full
         else:
             tail += tokens
         self._committed = committed
-        if len(tail) >= self._tpb:
-            self._commit_full_blocks(encoded, len(tail) - count, priorities)
         if committed > self._history:
             self._history = committed
+        if filled >= self._tpb:
+            self._commit_full_blocks(encoded, len(tail) - count, priorities, snapshots)
         if _debug.DEBUG:
             self._ctx.check()
 
     def _commit_full_blocks(
-        self, encoded: bytes | None, encoded_start: int, priorities: Priorities | None
+        self,
+        encoded: bytes | None,
+        encoded_start: int,
+        priorities: Priorities | None,
+        snapshots: dict[int, Page] | None,
     ) -> None:
         """Insert the tail's full blocks into the tree, in order; keep the rest as the tail.
         `encoded` (if not None) holds the tail's tokens from `encoded_start` on, 4 bytes each."""
@@ -487,16 +495,17 @@ class KVCache:
             keys.append(key)
             datas.append(block_data)
         self._prev_key = key
-        exact = len(tail) == tpb * num_full  # the last block ends the commit (SSM snapshot)
         del tail[: num_full * tpb]
-        if parent is None:
-            return  # the previous block is not in the tree (any more): nothing to share under
+        if (
+            parent is None
+        ):  # the previous block is not in the tree (any more): nothing to share under
+            self._snapshot_ssm(None, priorities, snapshots)
+            return
         blocks, orphans = self._ctx.tree.insert_chain(parent, keys, datas)
         for orphan in orphans:
             self._ctx.storage.settle(orphan)
         self._attach_pages(first, blocks, priorities)
-        if exact:
-            self._snapshot_ssm(blocks[-1], priorities)
+        self._snapshot_ssm(blocks[-1], priorities, snapshots)
 
     def _insertion_parent(self) -> Block | None:
         """The tree block the next committed block goes under (None if it is not in the tree)."""
@@ -546,12 +555,47 @@ class KVCache:
             tree.attach(block, page)
             storage.settle(page)
 
-    def _snapshot_ssm(self, block: Block, priorities: Priorities | None) -> None:
-        for g in self._ssm:
+    def _snapshot_pages(self) -> dict[int, Page]:
+        """Before a commit that ends at a block boundary changes anything: a locked page per
+        SSM layer group for the state snapshot (best effort: none where no slot can be had,
+        and none at all after an I/O error while making room)."""
+        storage = self._ctx.storage
+        pages: dict[int, Page] = {}
+        try:
+            for g in self._ssm:
+                if self._pages[g][0] is not None:
+                    pool_group = self._ctx.layout.pool_group_of[g]
+                    (pages[g],) = storage.new_pages(GPU_LEVEL, pool_group, g, 1, locks=1)
+        except (OutOfPagesError, StorageError) as error:
+            if isinstance(error, StorageError):
+                logger.warning("no SSM state snapshot: making room failed (%s)", error)
+        except BaseException:
+            for page in pages.values():
+                storage.unlock(page)
+            raise
+        return pages
+
+    def _snapshot_ssm(
+        self, block: Block | None, priorities: Priorities | None, pages: dict[int, Page] | None
+    ) -> None:
+        """Copy each live SSM state into its snapshot page (from `_snapshot_pages`) and attach
+        it to `block`; pages not needed (the block has a snapshot already) are freed."""
+        if not pages:
+            return
+        storage = self._ctx.storage
+        for g, page in pages.items():
             live = self._pages[g][0]
-            if live is not None and block[g] is None:
-                priority = DEFAULT_PRIORITY if priorities is None else priorities[block.ordinal, g]
-                self._snapshot(block, g, live, priority)
+            if block is not None and live is not None and block[g] is None:
+                try:
+                    storage.copy_pages([(live, page)])
+                except StorageError:
+                    storage.unlock(page)  # uncommitted and unowned: freed
+                    continue
+                page.priority = (
+                    DEFAULT_PRIORITY if priorities is None else priorities[block.ordinal, g]
+                )
+                self._ctx.tree.attach(block, page)
+            storage.unlock(page)
 
     def stop_committing(self) -> None:
         """No more commits: the unfinished tail block goes into the tree as a partial block."""
@@ -563,44 +607,33 @@ class KVCache:
             priorities = None
             if self._priority_callback is not None:
                 priorities = self._priorities(index, 1)  # before anything changes
+            snapshots = self._snapshot_pages() if self._ssm else None
             data = encode_tokens(self._tail)
             key = block_key_of_encoded(self._prev_key, data)
-            self._commit_block(index, data, len(self._tail), key, priorities)
+            self._commit_block(index, data, len(self._tail), key, priorities, snapshots)
         self._committing = False
         self._after_call()
 
     def _commit_block(
-        self, index: int, data: bytes, num_tokens: int, key: bytes, priorities: Priorities | None
+        self,
+        index: int,
+        data: bytes,
+        num_tokens: int,
+        key: bytes,
+        priorities: Priorities | None,
+        snapshots: dict[int, Page] | None,
     ) -> None:
         """Insert block `index` (the partial tail: `num_tokens` tokens encoded as `data`) with
         `key` under the previous committed block, and snapshot the SSM states at its end."""
         parent = self._insertion_parent()
-        if parent is None:
-            return
-        block, orphans = self._ctx.tree.insert(parent, key, data, num_tokens)
-        for orphan in orphans:
-            self._ctx.storage.settle(orphan)
-        if block is None:
-            return
-        self._attach_pages(index, [block], priorities)
-        self._snapshot_ssm(block, priorities)
-
-    def _snapshot(self, block: Block, g: int, live: Page, priority: int) -> None:
-        """Copy the live SSM state into a page of `block` (best effort: skipped when there is
-        no slot or the copy fails; a later request then reuses a shorter prefix)."""
-        storage = self._ctx.storage
-        try:
-            (page,) = storage.new_pages(GPU_LEVEL, self._ctx.layout.pool_group_of[g], g, 1)
-        except (OutOfPagesError, StorageError):
-            return
-        try:
-            storage.copy_pages([(live, page)])
-        except StorageError:
-            storage.settle(page)  # nobody owns it, nothing is committed in it: freed
-            return
-        page.priority = priority
-        self._ctx.tree.attach(block, page)
-        storage.settle(page)
+        block = None
+        if parent is not None:
+            block, orphans = self._ctx.tree.insert(parent, key, data, num_tokens)
+            for orphan in orphans:
+                self._ctx.storage.settle(orphan)
+        if block is not None:
+            self._attach_pages(index, [block], priorities)
+        self._snapshot_ssm(block, priorities, snapshots)
 
     def _priorities(self, first: int, count: int) -> Priorities:
         """The callback's priority for blocks `first` ... `first + count - 1` of every layer

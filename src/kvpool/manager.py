@@ -250,7 +250,7 @@ class KVCacheManager:
         elif type(id) is not int:
             fail("id", id, "an int or None")
         elif id in self._living:
-            raise ArgumentError(f"id={id} is invalid: a KV cache with this id is open")
+            raise ArgumentError(f"id={id} is invalid: must not be the id of an open KV cache")
         check_callable("priority_callback", priority_callback)
         check_bool("exclude_from_stats", exclude_from_stats)
         tokens = [] if input_tokens is None else token_list("input_tokens", input_tokens)

@@ -70,9 +70,10 @@ def _encode_scope_field(name: str, value: object) -> bytes:
     raise ArgumentError(f"reuse_scope.{name}={value!r} is invalid: must be {allowed}")
 
 
-def encode_tokens(tokens: Sequence[Token]) -> bytes:
+def encode_tokens(tokens: Sequence[Token], name: str = "tokens") -> bytes:
     """Bytes of a block's tokens: ints in [0, 2**31) as 4-byte little-endian, 32-byte digests
-    after a marker. Anything else (bools included) raises `ArgumentError` (a ValueError)."""
+    after a marker. Anything else (bools included) raises `ArgumentError` (a ValueError) naming
+    `name[i]`."""
     if len(tokens) == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN:
         return tokens[0].to_bytes(4, "little")  # a decode step's one token
     packer = _PACKERS.get(len(tokens))
@@ -83,13 +84,11 @@ def encode_tokens(tokens: Sequence[Token]) -> bytes:
     try:
         data = packer.pack(*tokens)
     except (struct.error, TypeError):
-        return b"".join(_encode_token(token) for token in tokens)
-    if not data[3::4].isascii():  # a top byte >= 0x80: a negative int
-        for token in tokens:
-            _encode_token(token)
-    if _has_bool(tokens, data):
-        for token in tokens:
-            _encode_token(token)
+        return b"".join(_encode_token(token, name, i) for i, token in enumerate(tokens))
+    # A top byte >= 0x80 is a negative int; `struct` packs True as 1.
+    if not data[3::4].isascii() or _has_bool(tokens, data):
+        for i, token in enumerate(tokens):
+            _encode_token(token, name, i)
     return data
 
 
@@ -106,14 +105,15 @@ MAX_CACHED_PACKER = 512
 _PACKERS: dict[int, struct.Struct] = {}  # by token count: a block, a decode step
 
 
-def _encode_token(token: object) -> bytes:
+def _encode_token(token: object, name: str = "tokens", index: int = 0) -> bytes:
     if isinstance(token, int) and not isinstance(token, bool):
         if 0 <= token < MAX_TOKEN:
             return int(token).to_bytes(4, "little")
     elif isinstance(token, bytes) and len(token) == DIGEST_BYTES:
         return _DIGEST_MARKER + token
     raise ArgumentError(
-        f"token {token!r} is invalid: must be an int in [0, 2**31) or a {DIGEST_BYTES}-byte digest"
+        f"{name}[{index}]={token!r} is invalid: must be an int in [0, 2**31) or a "
+        f"{DIGEST_BYTES}-byte digest"
     )
 
 
@@ -312,7 +312,7 @@ class RadixTree:
         """The longest prefix of `tokens` whose KV the tree holds in every layer group that the
         next token needs (see `_usable_length`). Every token is checked (`ArgumentError`),
         whether or not the scope has blocks."""
-        encoded = encode_tokens(tokens) if tokens else b""
+        encoded = encode_tokens(tokens, "input_tokens") if tokens else b""
         blocks, num_tokens = self._walk(scope_key, tokens, encoded, partial)
         usable = self._usable_length(blocks, num_tokens)
         tpb = self.layout.tokens_per_block

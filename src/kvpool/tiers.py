@@ -378,34 +378,9 @@ class StorageManager:
             alive = [page for page in pages if page.slot is not None and page.level == level]
             self.migrate(alive, level + 1)
 
-    def make_room_evicting(
-        self, level: int, pool_group: int, count: int, fallback: Sequence[Page]
-    ) -> None:
-        """Free `count` slots, by the usual cascade if it can, else by evicting the given
-        evictable, unheld `fallback` pages (moved down where there is room, else dropped).
-        Never fails when the fallback pages suffice: a failed move down drops them instead."""
-        try:
-            self.make_room(level, pool_group, count)
-            return
-        except (OutOfPagesError, StorageError) as error:
-            failure: BaseException = error
-        need = count - self.num_free(level, pool_group)
-        victims = [page for page in fallback if page.slot is not None and page.queued][:need]
-        if len(victims) < need:
-            raise failure
-        try:
-            self._evict_pages(victims, level, pool_group)
-        except StorageError as error:
-            logger.warning("moving cached pages down failed (%s): dropping them instead", error)
-            self._drop_all([page for page in victims if page.queued and page.level == level])
-
-    def _evict_pages(self, victims: list[Page], level: int, pool_group: int) -> None:
-        if level == self.last_level:
-            self._drop_all(victims)
-            return
-        room = self.make_room(level + 1, pool_group, len(victims), at_least=0)
-        self._drop_all(victims[: len(victims) - room])
-        self.migrate(victims[len(victims) - room :], level + 1)
+    def drop(self, pages: list[Page]) -> None:
+        """Drop queued, unowned pages now (no I/O): their KV is gone."""
+        self._drop_all(pages)
 
     def _drop_all(self, pages: list[Page]) -> None:
         """Drop queued, unowned pages of one pool group (any levels): their KV is gone."""
@@ -485,10 +460,10 @@ class StorageManager:
         else:
             copy_from = source_group
             pairs = [(page.slot_id, slot.slot_id) for page, slot in zip(batch, slots, strict=True)]
-        event = self.copier.copy(copy_from, target_group, pairs)
         try:
+            event = self.copier.copy(copy_from, target_group, pairs)
             event.check()
-        except BaseException:
+        except BaseException:  # (an interrupt in an inline copy too)
             allocator.release_multiple(slots)
             raise
         source_pages, target_pages = (

@@ -19,6 +19,7 @@ from kvpool.cache import KVCache
 from kvpool.errors import ArgumentError
 from kvpool.layout import BufferPlacement, SsmLifeCycle
 from kvpool.manager import KVCacheManager
+from kvpool.pages import Page
 from kvpool.radix import Token
 
 RECORD_BYTES = 16
@@ -134,38 +135,73 @@ class CheckingEngine:
         """`check` for a request in any state: each page's records are read at whatever level
         the page is (a suspended request's pages may be on the host or the disk)."""
         tpb, history = self.tpb, cache.history_length
-        storage = self.manager._storage
+        values = np.array([token_value(t) for t in tokens[:history]], dtype=np.int32)
         for placement, role_index, ssm in self.buffers:
             pages = cache.pages(placement.layer_group)
-            for index, page in enumerate(pages):
-                if page is None:
-                    continue
-                pool = storage.levels[page.level].pool_groups[page.pool_group]
-                row = page.slot_id * placement.buffers_per_slot + placement.position
-                data = pool.memories[placement.pool].read(row * placement.size, placement.size)
-                values: Any = data.view(np.int32)
-                if ssm:
-                    state = values.reshape(-1, 4)[0].tolist()
-                    last = token_value(tokens[history - 1]) if history else None
-                    expected = [last, history, placement.layer_id, role_index]
-                    if history and state != expected:
+            if ssm:
+                if history and pages[0] is not None:
+                    (state,) = self._read_rows(placement, [pages[0]])
+                    got = state.view(np.int32)[:4].tolist()
+                    expected_state = [int(values[-1]), history, placement.layer_id, role_index]
+                    if got != expected_state:
                         raise AssertionError(
-                            f"cache {cache.id} SSM state of layer {placement.layer_id} at "
-                            f"level {page.level}: {state} != {expected}"
+                            f"cache {cache.id} SSM state of layer {placement.layer_id} at level "
+                            f"{pages[0].level}: {got} != {expected_state}"
                         )
-                    continue
-                records = values.reshape(tpb, -1, 4)
-                for position in range(index * tpb, min((index + 1) * tpb, history)):
-                    expected = [token_value(tokens[position]), position, placement.layer_id]
-                    expected.append(role_index)
-                    got = records[position % tpb]
-                    if (got != expected).any():
-                        raise AssertionError(
-                            f"cache {cache.id} layer {placement.layer_id} {placement.role} at "
-                            f"level {page.level}: position {position} holds {got[0].tolist()}, "
-                            f"expected {list(expected)}"
-                        )
-                    self.records_checked += 1
+                continue
+            blocks = [
+                (index, page)
+                for index, page in enumerate(pages)
+                if page is not None and index * tpb < history
+            ]
+            if not blocks:
+                continue
+            data = self._read_rows(placement, [page for _, page in blocks])
+            records = data.view(np.int32).reshape(len(blocks), tpb, -1, 4)
+            positions = np.array([index for index, _ in blocks])[:, None] * tpb + np.arange(tpb)
+            valid = positions < history
+            expected = np.stack(
+                [
+                    values[np.minimum(positions, history - 1)],
+                    positions,
+                    np.full_like(positions, placement.layer_id),
+                    np.full_like(positions, role_index),
+                ],
+                axis=-1,
+            ).astype(np.int32)
+            bad = np.argwhere(valid & (records != expected[:, :, None, :]).any(axis=(2, 3)))
+            if bad.size:
+                block, offset = bad[0]
+                page = blocks[block][1]
+                raise AssertionError(
+                    f"cache {cache.id} layer {placement.layer_id} {placement.role} at level "
+                    f"{page.level}: position {positions[block, offset]} holds "
+                    f"{records[block, offset, 0].tolist()}, expected {expected[block, offset].tolist()}"
+                )
+            self.records_checked += int(valid.sum())
+
+    def _read_rows(self, placement: BufferPlacement, pages: Sequence[Page]) -> Any:
+        """The bytes of one buffer's row in each page, read at the page's level: [pages, size]."""
+        storage = self.manager._storage
+        data = np.empty((len(pages), placement.size), dtype=np.uint8)
+        by_level: dict[int, list[int]] = {}
+        for i, page in enumerate(pages):
+            by_level.setdefault(page.level, []).append(i)
+        for level, indices in by_level.items():
+            group = storage.levels[level].pool_groups[pages[indices[0]].pool_group]
+            rows = [
+                pages[i].slot_id * placement.buffers_per_slot + placement.position for i in indices
+            ]
+            try:
+                view = group.pool_view(placement.pool).reshape(-1, placement.size)
+            except ArgumentError:  # disk memory: one read per row
+                memory = group.memories[placement.pool]
+                for i, row in zip(indices, rows, strict=True):
+                    data[i] = memory.read(row * placement.size, placement.size)
+            else:
+                picked = view[rows]
+                data[indices] = picked.cpu().numpy() if hasattr(picked, "cpu") else picked
+        return data
 
     def step(self, cache: KVCache, tokens: Sequence[Token], new_tokens: Sequence[Token]) -> bool:
         """One engine step: reserve, compute (write) the new tokens, commit them. Returns False

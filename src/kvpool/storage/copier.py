@@ -10,6 +10,7 @@ of its destination slots, and the next owner of its source slots, waits on.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -33,6 +34,14 @@ class CopyEvent:
             self._done = all(future.done() for future in self._futures)
         return self._done
 
+    def _finish(self) -> None:
+        """Wait for every part of the copy, through further interrupts."""
+        while not all(future.done() for future in self._futures):
+            try:
+                futures.wait(self._futures)
+            except BaseException:  # another Ctrl-C: keep waiting (copies are short)
+                continue
+
     def wait(self, timeout: float | None = None) -> bool:
         for future in self._futures:
             try:
@@ -42,8 +51,14 @@ class CopyEvent:
         return True
 
     def check(self) -> None:
-        """Wait, then raise `StorageError` if any part of the copy failed."""
-        errors = [future.exception() for future in self._futures]
+        """Wait, then raise `StorageError` if any part of the copy failed. Interrupted while
+        waiting (Ctrl-C), it lets the copy finish before the interrupt goes on: the caller then
+        frees slots that no thread writes into any more."""
+        try:
+            errors = [future.exception() for future in self._futures]
+        except BaseException:
+            self._finish()
+            raise
         for error in [self._error, *errors]:
             if error is not None:
                 if isinstance(error, StorageError):

@@ -237,13 +237,14 @@ class DiskMemory(Memory):
         if new_size > self._size:
             try:
                 os.posix_fallocate(self._fd, self._size, new_size - self._size)
-            except OSError as error:
+            except (OSError, OverflowError) as error:
                 with contextlib.suppress(OSError):
                     os.ftruncate(self._fd, self._size)
+                code = getattr(error, "errno", None) or errno.EFBIG
                 raise StorageError(
-                    error.errno,
+                    code,
                     f"cannot grow the disk level in {self.directory} from {self._size} to "
-                    f"{new_size} bytes: {os.strerror(error.errno or errno.EIO)}",
+                    f"{new_size} bytes: {os.strerror(code)}",
                 ) from error
         else:
             try:

@@ -7,13 +7,14 @@ its quota: the budget is ``quota // granularity`` grains.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.config import CacheTier
-from kvpool.errors import ArgumentError, ConfigError, LogicError
+from kvpool.errors import ArgumentError, ConfigError, LogicError, StorageError
 from kvpool.storage.memory import DeviceMemory, DiskMemory, HostMemory, Memory
 from kvpool.storage.slots import SlotAllocator
 
@@ -249,9 +250,17 @@ class LevelStorage:
                 self.pool_groups.append(
                     PoolGroup(sizes, count, self._make_memory, tier is CacheTier.GPU)
                 )
-        except BaseException:
+        except BaseException as error:
             self.close()
-            raise
+            if not isinstance(error, StorageError):
+                raise
+            # Name the setting to change: the quota, or the directory of a disk level.
+            setting = (
+                f"{quota_name.removesuffix('.quota')}.path={os.fspath(disk_path)!r}"
+                if disk_path is not None and error.errno not in (errno.ENOSPC, errno.EFBIG)
+                else f"{quota_name}={quota}"
+            )
+            raise StorageError(error.errno, f"{setting}: {error.strerror}") from error
 
     def _make_memory(self, pool: int, size: int) -> Memory:
         # A pool never outgrows its level's quota, so host memory reserves that much address space.

@@ -1,0 +1,70 @@
+"""The model-based fuzzer in the suite: a short run per layout (`--fuzz-ops N` for a long one),
+and checks that the fuzzer itself catches bugs and shrinks them to a replayable list."""
+
+import pytest
+
+from kvpool.storage.copier import Copier
+from kvpool.tiers import StorageManager
+from tests.fuzz.fuzzer import LAYOUTS, FuzzFailure, fuzz, replay, save, shrink
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_fuzz(layout, request, tmp_path):
+    ops, seed = request.config.getoption("--fuzz-ops"), request.config.getoption("--fuzz-seed")
+    try:
+        stats = fuzz(layout, seed, ops)
+    except FuzzFailure as failure:
+        small = shrink(layout, seed, failure.ops, failure.error, seconds=60)
+        path = tmp_path / "fuzz-failure.json"
+        save(path, layout, seed, small, failure.error)
+        pytest.fail(
+            f"{layout}: {failure} after {len(failure.ops)} operations, shrunk to {len(small)}: "
+            f"{small}\nreplay: python -m tests.fuzz.fuzzer --replay {path}"
+        )
+    # The run reached what it claims to test.
+    assert stats["ops"] == ops
+    assert stats["tokens computed"] > ops and stats["records checked"] > 100 * ops
+    assert stats["reused tokens"] > 0 and stats["resumes"] > 0 and stats["closes"] > 0
+    assert stats["pages dropped"] > 0
+    if layout != "gpu":
+        assert stats["pages moved between levels"] > 0
+    if "disk" in layout or layout in ("hybrid", "tight"):
+        assert stats["faults injected"] > 0
+    if layout == "hybrid":
+        assert stats["rebalances"] > 0
+
+
+def _buggy_set_priority(self, page, priority):
+    page.priority = priority  # defect 1 of issue 12: a queued page's list is not updated
+
+
+def _lossy_copy(real):
+    def copy(self, source, destination, pairs):
+        if source is not destination and len(pairs) > 2:
+            pairs = pairs[1:]  # one page of a batch is not copied
+        return real(self, source, destination, pairs)
+
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("target", "name", "make_bug"),
+    [
+        (StorageManager, "set_priority", lambda real: _buggy_set_priority),
+        (Copier, "copy", _lossy_copy),
+    ],
+    ids=["priority-outside-the-queue", "lost-page-copy"],
+)
+def test_fuzzer_catches_a_planted_bug_and_shrinks_it(monkeypatch, tmp_path, target, name, make_bug):
+    monkeypatch.setattr(target, name, make_bug(getattr(target, name)))
+    with pytest.raises(FuzzFailure) as caught:
+        fuzz("gpu-host-disk", 3, 3000)
+    failure = caught.value
+    small = shrink(failure.layout, failure.seed, failure.ops, failure.error, seconds=20)
+    assert len(small) < len(failure.ops) / 2
+    path = tmp_path / "failure.json"
+    save(path, failure.layout, failure.seed, small, failure.error)
+    with pytest.raises(type(failure.error)):  # the shrunk list replays the failure
+        replay(failure.layout, failure.seed, small)
+    monkeypatch.undo()
+    replay(failure.layout, failure.seed, small)  # and passes without the bug
