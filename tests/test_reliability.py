@@ -7,9 +7,11 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
+import kvpool
 from kvpool import (
     AttentionLayerConfig,
     BufferConfig,
@@ -424,5 +426,9 @@ def test_import_and_a_gpu_level_without_cuda_do_not_import_torch():
         "c = m.create_kv_cache(); c.resume(); c.resize(40); c.commit(list(range(40))); c.close()\n"
         "print('torch' in sys.modules)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    source = str(Path(kvpool.__file__).parents[1])  # this kvpool, installed or not
+    env = {**os.environ, "PYTHONPATH": source}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
     assert out.stdout.strip() == "False"

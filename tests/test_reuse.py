@@ -172,7 +172,7 @@ def test_sliding_window_match_needs_only_the_window_and_sinks(setup):
     storage = m._storage
     for block in list(m._tree.blocks()):
         if 1 <= block.ordinal <= 8:
-            storage._drop_all([block[0]])
+            storage.drop([block[0]])
     assert m.probe_reuse(None, tokens[:176]) == 176  # window [145, 175] + sink block 0
     # At 150 the window needs block 7: gone. Cutting back block by block finds no complete
     # window until 16 tokens (only the sink block needed).

@@ -496,9 +496,7 @@ class KVCache:
             datas.append(block_data)
         self._prev_key = key
         del tail[: num_full * tpb]
-        if (
-            parent is None
-        ):  # the previous block is not in the tree (any more): nothing to share under
+        if parent is None:  # the previous block left the tree: nothing to share under
             self._snapshot_ssm(None, priorities, snapshots)
             return
         blocks, orphans = self._ctx.tree.insert_chain(parent, keys, datas)

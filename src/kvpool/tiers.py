@@ -143,7 +143,7 @@ class StorageManager:
                     return False
                 plans.append(plan)
         for victims in drops:
-            self._drop_all(victims)
+            self.drop(victims)
         for plan in plans:
             self._execute(plan)
         return True
@@ -314,10 +314,12 @@ class StorageManager:
                 if new > was:
                     storage.expand_pool_group(pg, new)
                     grown.append(pg)
-        except StorageError as error:
+        except BaseException as error:
             for pg in grown:  # their new slots were never handed out
                 storage.shrink_pool_group(pg, old[pg])
             storage.quota = old_quota
+            if not isinstance(error, StorageError):
+                raise
             shrunk = (
                 f"pool groups {shrinking} had shrunk to {[counts[pg] for pg in shrinking]} slots"
                 if shrinking
@@ -373,17 +375,14 @@ class StorageManager:
 
     def _execute(self, plan: _Plan) -> None:
         if plan.drops:
-            self._drop_all(plan.drops)
+            self.drop(plan.drops)
         for level, pages in plan.moves:
             alive = [page for page in pages if page.slot is not None and page.level == level]
             self.migrate(alive, level + 1)
 
     def drop(self, pages: list[Page]) -> None:
-        """Drop queued, unowned pages now (no I/O): their KV is gone."""
-        self._drop_all(pages)
-
-    def _drop_all(self, pages: list[Page]) -> None:
-        """Drop queued, unowned pages of one pool group (any levels): their KV is gone."""
+        """Drop queued, unowned pages of one pool group (any levels) now, with no I/O: their
+        KV is gone."""
         by_level: dict[int, list[Page]] = {}
         for page in pages:
             if page.slot is not None:  # (else an earlier drop orphaned and freed it)
@@ -603,8 +602,7 @@ class StorageManager:
     def _place(self, page: Page, levels: Sequence[int], staged: Staged) -> None:
         """Write a staged page into a free slot: of the first of `levels` with one, else of any
         level, trying the next free slot when a write fails."""
-        source = staged.groups[page.pool_group]
-        pair = [(staged.slot_of[id(page)], 0)]
+        source, source_slot = staged.groups[page.pool_group], staged.slot_of[id(page)]
         failure: BaseException | None = None
         for level in dict.fromkeys([*levels, *range(len(self.levels))]):
             group = self.levels[level].pool_groups[page.pool_group]
@@ -614,7 +612,7 @@ class StorageManager:
             if slot.ready_event is not None:
                 slot.ready_event.wait()
             try:
-                self.copier.copy(source, group, [(pair[0][0], slot.slot_id)]).check()
+                self.copier.copy(source, group, [(source_slot, slot.slot_id)]).check()
             except StorageError as error:
                 group.allocator.release(slot)
                 failure = error
