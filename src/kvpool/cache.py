@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from hashlib import sha256
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,7 @@ from kvpool.radix import (
     RadixTree,
     Token,
     block_key_of_encoded,
+    encode_checked,
     encode_tokens,
 )
 from kvpool.validation import check_index, token_list
@@ -173,10 +174,11 @@ class KVCache:
         moved = False
         staged = None
         try:
-            staged = storage.stage(snapshots)  # a failed read of a snapshot changes nothing
+            if snapshots:  # read now: a failed read of a snapshot changes nothing
+                staged = storage.stage(snapshots)
             moved = storage.bring_to(ours, GPU_LEVEL, extra)
             if moved:
-                self._make_private_copies(staged)
+                self._make_private_copies(staged or storage.stage(()))
         except BaseException:
             moved = False
             raise
@@ -436,39 +438,54 @@ class KVCache:
         if type(tokens) is not tuple and type(tokens) is not list:
             tokens = token_list("tokens", tokens)
         count = len(tokens)
-        encoded: bytes | None = None
-        one = count == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN
-        if not one:
+        committed = self._committed + count
+        if count == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN:
+            if committed > self._capacity:
+                self._refuse_commit(count)
+            tail = self._tail
+            if len(tail) + 1 < self._tpb:  # a decode step that fills no block: kept short
+                tail.append(tokens[0])
+                self._committed = committed
+                if committed > self._history:
+                    self._history = committed
+                if _debug.DEBUG:
+                    self._ctx.check()
+                return
+            encoded = None
+        else:
             encoded = encode_tokens(tokens)  # validates before anything changes
             if len(encoded) != 4 * count:
                 encoded = None  # digest tokens: blocks are encoded one by one
-        committed = self._committed + count
-        if committed > self._capacity:
-            raise LogicError(
-                f"cannot commit {count} tokens: {self._committed} are committed and the "
-                f"capacity is {self._capacity}"
-            )
-        tail = self._tail
-        filled = len(tail) + count
-        priorities = snapshots = None
-        if filled >= self._tpb:
-            if self._priority_callback is not None:
-                first = (self._committed - len(tail)) // self._tpb
-                priorities = self._priorities(first, filled // self._tpb)
-            if self._ssm and filled % self._tpb == 0:
-                snapshots = self._snapshot_pages()
-        # Nothing has changed so far.
-        if one:
-            tail.append(tokens[0])  # a decode step: nothing to encode before the block is full
-        else:
-            tail += tokens
-        self._committed = committed
-        if committed > self._history:
-            self._history = committed
-        if filled >= self._tpb:
-            self._commit_full_blocks(encoded, len(tail) - count, priorities, snapshots)
+            if committed > self._capacity:
+                self._refuse_commit(count)
+        self._commit_tokens(tokens, encoded)
         if _debug.DEBUG:
             self._ctx.check()
+
+    def _refuse_commit(self, count: int) -> NoReturn:
+        raise LogicError(
+            f"cannot commit {count} tokens: {self._committed} are committed and the capacity "
+            f"is {self._capacity}"
+        )
+
+    def _commit_tokens(self, tokens: Sequence[Token], encoded: bytes | None) -> None:
+        """`commit` of checked tokens. When they fill blocks, the priority callback and the SSM
+        snapshot pages are settled before anything changes, then the blocks go into the tree."""
+        tail, tpb, count = self._tail, self._tpb, len(tokens)
+        filled = len(tail) + count
+        priorities = snapshots = None
+        if filled >= tpb:
+            if self._priority_callback is not None:
+                priorities = self._priorities((self._committed - len(tail)) // tpb, filled // tpb)
+            if self._ssm and filled % tpb == 0:
+                snapshots = self._snapshot_pages()
+        # Nothing has changed so far.
+        tail += tokens
+        self._committed += count
+        if self._committed > self._history:
+            self._history = self._committed
+        if filled >= tpb:
+            self._commit_full_blocks(encoded, len(tail) - count, priorities, snapshots)
 
     def _commit_full_blocks(
         self,
@@ -490,7 +507,7 @@ class KVCache:
                 offset = 4 * (start - encoded_start)
                 block_data = encoded[offset : offset + 4 * tpb]
             else:
-                block_data = encode_tokens(tail[start : start + tpb])
+                block_data = encode_checked(tail[start : start + tpb])
             key = sha256(key + block_data).digest()
             keys.append(key)
             datas.append(block_data)
@@ -503,7 +520,8 @@ class KVCache:
         for orphan in orphans:
             self._ctx.storage.settle(orphan)
         self._attach_pages(first, blocks, priorities)
-        self._snapshot_ssm(blocks[-1], priorities, snapshots)
+        if snapshots:
+            self._snapshot_ssm(blocks[-1], priorities, snapshots)
 
     def _insertion_parent(self) -> Block | None:
         """The tree block the next committed block goes under (None if it is not in the tree)."""
@@ -606,7 +624,7 @@ class KVCache:
             if self._priority_callback is not None:
                 priorities = self._priorities(index, 1)  # before anything changes
             snapshots = self._snapshot_pages() if self._ssm else None
-            data = encode_tokens(self._tail)
+            data = encode_checked(self._tail)
             key = block_key_of_encoded(self._prev_key, data)
             self._commit_block(index, data, len(self._tail), key, priorities, snapshots)
         self._committing = False

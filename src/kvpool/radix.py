@@ -92,6 +92,17 @@ def encode_tokens(tokens: Sequence[Token], name: str = "tokens") -> bytes:
     return data
 
 
+def encode_checked(tokens: Sequence[Token]) -> bytes:
+    """`encode_tokens` for tokens that were checked already (a request's committed tokens)."""
+    packer = _PACKERS.get(len(tokens))
+    if packer is not None:
+        try:
+            return packer.pack(*tokens)
+        except (struct.error, TypeError):  # digest tokens
+            pass
+    return encode_tokens(tokens)
+
+
 def _has_bool(tokens: Sequence[Token], data: bytes) -> bool:
     """Whether an int token is really a bool (`struct` packs True as 1). Bools pack as 0 and 1,
     so a long run is checked only at the tokens with those values (numpy finds them)."""
@@ -335,7 +346,7 @@ class RadixTree:
             if uniform:
                 key = sha256(key + encoded[4 * start : 4 * (start + tpb)]).digest()
             else:
-                key = block_key(key, tokens[start : start + tpb])
+                key = sha256(key + encode_checked(tokens[start : start + tpb])).digest()
             found = index.get(key)
             if found is None:
                 break
@@ -347,7 +358,7 @@ class RadixTree:
             if uniform:
                 rest = encoded[4 * matched : 4 * (matched + tpb)]
             else:
-                rest = encode_tokens(tokens[matched : matched + tpb])
+                rest = encode_checked(tokens[matched : matched + tpb])
             best, best_len = None, 0
             for child in children:
                 n = _common_token_prefix(child.data, rest)

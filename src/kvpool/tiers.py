@@ -496,8 +496,10 @@ class StorageManager:
     def stage(self, pages: Sequence[Page], every: bool = False) -> Staged:
         """Read the bytes of those `pages` that live on a disk level (or of all of them, with
         `every`) into RAM. A failed read raises `StorageError` with nothing changed."""
-        staged = Staged()
         wanted = [page for page in pages if every or self.levels[page.level].tier is CacheTier.DISK]
+        if not wanted:
+            return _NOTHING_STAGED
+        staged = Staged()
         batches: dict[tuple[int, int], list[Page]] = {}
         for page in wanted:
             batches.setdefault((page.level, page.pool_group), []).append(page)

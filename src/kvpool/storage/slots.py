@@ -183,17 +183,19 @@ class SlotAllocator:
     ) -> None:
         """`release` each slot; all or nothing (a bad slot raises before any is released)."""
         own, active = self._slots, self._num_active
-        index = 0
         try:
-            for index, slot in enumerate(slots):  # noqa: B007 (read after the loop)
+            for index, slot in enumerate(slots):
                 slot_id = slot.slot_id
-                if slot.released or not 0 <= slot_id < active or own[slot_id] is not slot:
-                    raise LookupError
+                if slot.released or slot_id >= active or own[slot_id] is not slot:
+                    for earlier in slots[:index]:
+                        earlier.released = False
+                    self._refuse_release(slot, slots)
                 slot.released = True  # also catches a slot given twice
-        except (LookupError, AttributeError, TypeError):
-            for earlier in slots[:index]:
+        except AttributeError:  # not a slot handle: undo the slots before it
+            bad = next(i for i, slot in enumerate(slots) if not isinstance(slot, Slot))
+            for earlier in slots[:bad]:
                 earlier.released = False
-            self._refuse_release(slots[index], slots)
+            self._refuse_release(slots[bad], slots)
         # File each id as recycled, waiting (its last use still runs) or overflow.
         target, recycled = self._target, self._recycled
         for slot in slots:
