@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from kvpool import BatchDesc, BufferConfig, KVCacheDesc, KVCacheManager
-from kvpool.layout import AttentionLifeCycle, KVLayout, SsmLifeCycle
+from kvpool.layout import KVLayout
+from kvpool.lifecycles import AttentionLifeCycle, SsmLifeCycle
 from tests.helpers import kv_layer, make_config, ssm_layer
 
 

@@ -8,16 +8,10 @@ from kvpool import ReuseScope
 from kvpool.errors import ArgumentError
 from kvpool.eviction import EvictionQueue
 from kvpool.layout import KVLayout
-from kvpool.pages import Page
-from kvpool.radix import (
-    RadixTree,
-    _common_token_prefix,
-    block_key,
-    decode_tokens,
-    encode_tokens,
-    root_key,
-)
+from kvpool.radix import RadixTree
+from kvpool.records import Page
 from kvpool.storage import SlotAllocator
+from kvpool.tokens import _common_token_prefix, block_key, decode_tokens, encode_tokens, root_key
 from tests.helpers import kv_layer, ssm_layer
 
 

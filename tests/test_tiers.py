@@ -16,7 +16,7 @@ from kvpool import (
     LogicError,
     StorageError,
 )
-from kvpool.pages import PageStatus
+from kvpool.records import PageStatus
 from tests.engine_check import CheckingEngine
 from tests.helpers import MiB, close_open_caches, hybrid_layers, make_config, record_layer, shutdown
 
@@ -52,7 +52,7 @@ def make(tmp_path):
 def levels_of(m, tokens):
     """Level of each cached block page along the chain of `tokens` (full blocks)."""
     match = m._tree.match(
-        __import__("kvpool.radix", fromlist=["root_key"]).root_key(None), tokens, False
+        __import__("kvpool.tokens", fromlist=["root_key"]).root_key(None), tokens, False
     )
     return [page.level for block in match.blocks for page in block if page is not None]
 

@@ -28,17 +28,9 @@ from kvpool import _debug
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError, StorageError
 from kvpool.layout import KVLayout
 from kvpool.page_table import PageTable
-from kvpool.pages import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Page
-from kvpool.radix import (
-    MAX_TOKEN,
-    Block,
-    Match,
-    RadixTree,
-    Token,
-    block_key_of_encoded,
-    encode_checked,
-    encode_tokens,
-)
+from kvpool.radix import Match, RadixTree
+from kvpool.records import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Block, Page
+from kvpool.tokens import MAX_TOKEN, Token, block_key_of_encoded, encode_checked, encode_tokens
 from kvpool.validation import check_index, token_list
 
 if TYPE_CHECKING:

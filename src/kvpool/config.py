@@ -15,6 +15,7 @@ from enum import IntEnum
 from typing import Any, NamedTuple, NoReturn
 
 from kvpool.errors import ConfigError
+from kvpool.lifecycles import AttentionLifeCycle, SsmLifeCycle
 from kvpool.validation import check_bool, check_int, check_sequence, fail
 from kvpool.validation import is_int as _is_int
 from kvpool.validation import is_real as _is_real
@@ -46,6 +47,11 @@ class AttentionLayerConfig:
     sliding_window_size: int | None = None
     num_sink_tokens: int | None = None
 
+    def life_cycle(self, tokens_per_block: int) -> AttentionLifeCycle:
+        """When this layer's blocks stop being needed (sinks counted in whole blocks)."""
+        sinks = self.num_sink_tokens or 0
+        return AttentionLifeCycle(self.sliding_window_size, -(-sinks // tokens_per_block))
+
 
 @dataclass(frozen=True)
 class SsmLayerConfig:
@@ -53,6 +59,9 @@ class SsmLayerConfig:
 
     layer_id: int
     buffers: Sequence[BufferConfig]
+
+    def life_cycle(self, tokens_per_block: int) -> SsmLifeCycle:
+        return SsmLifeCycle()
 
 
 LayerConfig = AttentionLayerConfig | SsmLayerConfig
@@ -238,10 +247,8 @@ class KVCacheManagerConfig:
     def _validate_ratio(self) -> None:
         if self.initial_pool_ratio is None:
             return
-        # Imported here: layout depends on this module.
-        from kvpool.layout import count_layer_groups
-
-        expected = count_layer_groups(self.layers, self.tokens_per_block)
+        tpb = self.tokens_per_block
+        expected = len({layer.life_cycle(tpb) for layer in self.layers})
         allowed = f"one weight per layer group ({expected} values)"
         ratio = _sequence("initial_pool_ratio", self.initial_pool_ratio, allowed)
         if len(ratio) != expected:

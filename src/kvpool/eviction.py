@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from itertools import islice
 
 from kvpool.errors import CorruptedError, OutOfPagesError
-from kvpool.pages import Page
+from kvpool.records import Page
 
 
 class EvictionQueue:

@@ -15,68 +15,15 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvpool.config import BatchDesc, LayerConfig, SsmLayerConfig
+from kvpool.config import BatchDesc, LayerConfig
+from kvpool.lifecycles import AttentionLifeCycle, LifeCycle, SsmLifeCycle
 from kvpool.validation import fail
 
 BAD_PAGE_INDEX = -1
 
 
-@dataclass(frozen=True)
-class AttentionLifeCycle:
-    """Attention blocks: kept forever (`window` None) or while inside the window or a sink block."""
-
-    window: int | None
-    num_sink_blocks: int
-
-    def stale_range(self, history_length: int, tokens_per_block: int) -> tuple[int, int]:
-        """Block range [beg, end) no longer needed once `history_length` tokens are computed.
-
-        The next step attends from position `history_length`, so the live window is
-        [h + 1 - w, h]; sink blocks stay.
-        """
-        beg = min(-(-history_length // tokens_per_block), self.num_sink_blocks)
-        if self.window is None:
-            return beg, beg
-        return beg, max(beg, (history_length + 1 - self.window) // tokens_per_block)
-
-    def window_floor(self, tokens_per_block: int) -> int:
-        """Slots one request needs to make progress: sinks, the window, and one for the slide."""
-        if self.window is None:
-            return 1
-        return self.num_sink_blocks + -(-(self.window - 1) // tokens_per_block) + 1
-
-    def __str__(self) -> str:
-        if self.window is None:
-            return "full attention"
-        return f"sliding window {self.window} ({self.num_sink_blocks} sink blocks)"
-
-
-@dataclass(frozen=True)
-class SsmLifeCycle:
-    """Recurrent state: one slot per request, no per-block pages."""
-
-    def stale_range(self, history_length: int, tokens_per_block: int) -> tuple[int, int]:
-        return 0, history_length // tokens_per_block
-
-    def window_floor(self, tokens_per_block: int) -> int:
-        return 1
-
-    def __str__(self) -> str:
-        return "ssm state"
-
-
-LifeCycle = AttentionLifeCycle | SsmLifeCycle
-
-
 def life_cycle_of(layer: LayerConfig, tokens_per_block: int) -> LifeCycle:
-    if isinstance(layer, SsmLayerConfig):
-        return SsmLifeCycle()
-    sinks = layer.num_sink_tokens or 0
-    return AttentionLifeCycle(layer.sliding_window_size, -(-sinks // tokens_per_block))
-
-
-def count_layer_groups(layers: Sequence[LayerConfig], tokens_per_block: int) -> int:
-    return len({life_cycle_of(layer, tokens_per_block) for layer in layers})
+    return layer.life_cycle(tokens_per_block)
 
 
 @dataclass(frozen=True)
@@ -284,6 +231,5 @@ __all__ = [
     "LifeCycle",
     "PoolGroupLayout",
     "SsmLifeCycle",
-    "count_layer_groups",
     "life_cycle_of",
 ]

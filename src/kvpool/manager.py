@@ -23,10 +23,11 @@ from kvpool.config import (
 )
 from kvpool.errors import ArgumentError, ConfigError, CorruptedError, LogicError, OutOfPagesError
 from kvpool.layout import KVLayout
-from kvpool.radix import RadixTree, Token, root_key
+from kvpool.radix import RadixTree
 from kvpool.rebalance import DemandEstimator
 from kvpool.storage.pools import LevelStorage, slot_counts_from_ratio
 from kvpool.tiers import StorageManager
+from kvpool.tokens import Token, root_key
 from kvpool.validation import (
     check_bool,
     check_callable,

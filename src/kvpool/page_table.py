@@ -9,7 +9,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.layout import BAD_PAGE_INDEX, BufferPlacement
-from kvpool.pages import Page
+from kvpool.records import Page
 
 
 class PageTable:

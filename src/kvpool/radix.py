@@ -1,8 +1,4 @@
-"""Prefix reuse: chained block keys and the radix tree of committed blocks.
-
-A block's key is SHA-256(previous key || the block's tokens); the first key is derived from the
-request's reuse scope, so requests share blocks only within one scope. Keys are compared, not
-tokens, so they must stay collision resistant (256 bits).
+"""Prefix reuse: the radix tree of committed blocks, keyed by chained block keys (`tokens`).
 
 The tree never owns pages: it points at each block's page per layer group, and the requests
 (locks, holds) and the eviction queues decide their lifetime. When a page is dropped, the tree
@@ -15,210 +11,18 @@ tree is reused for a later one: the engine's steady state creates no tree object
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from hashlib import sha256
 
-import numpy as np
+from kvpool.layout import KVLayout
+from kvpool.lifecycles import AttentionLifeCycle, SsmLifeCycle
+from kvpool.records import Block, Page
+from kvpool.tokens import Token, _common_token_prefix, encode_checked, encode_tokens
 
-from kvpool.config import ReuseScope
-from kvpool.errors import ArgumentError
-from kvpool.layout import AttentionLifeCycle, KVLayout, SsmLifeCycle
-from kvpool.pages import Page
-
-Token = int | bytes
-DIGEST_BYTES = 32
-MAX_TOKEN = 2**31
 # Partial matching and partial-block insertion scan a node's children only when it has few.
 MAX_CHILDREN_SCANNED = 32
-# Marks a 32-byte multimodal digest in the hashed byte stream. Int tokens are encoded as 4-byte
-# little-endian values below 2**31, which never end in 0xff, so the encoding is unambiguous.
-_DIGEST_MARKER = b"\xff\xff\xff\xff"
-
-
-def root_key(scope: ReuseScope | None) -> bytes:
-    """Key of a reuse scope's root: a presence mask, then each present field.
-
-    `None`, `(lora=0)`, `(salt=0)` and `(0, 0)` all differ, and so do `(lora=5)` and `(salt=5)`.
-    """
-    scope = ReuseScope() if scope is None else scope
-    if not isinstance(scope, ReuseScope):
-        raise ArgumentError(f"reuse_scope={scope!r} is invalid: must be a ReuseScope or None")
-    mask = 0
-    fields = []
-    for bit, (name, value) in enumerate(zip(ReuseScope._fields, scope, strict=True)):
-        if value is None:
-            continue
-        mask |= 1 << bit
-        fields.append(_encode_scope_field(name, value))
-    return hashlib.sha256(bytes([mask]) + b"".join(fields)).digest()
-
-
-def _encode_scope_field(name: str, value: object) -> bytes:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64:
-        return b"i" + value.to_bytes(8, "little")
-    if name == "salt" and isinstance(value, str | bytes):
-        raw = value.encode() if isinstance(value, str) else value
-        return b"s" + len(raw).to_bytes(8, "little") + raw
-    allowed = (
-        "an integer in [0, 2**64), a str, bytes or None"
-        if name == "salt"
-        else "an integer in [0, 2**64) or None"
-    )
-    raise ArgumentError(f"reuse_scope.{name}={value!r} is invalid: must be {allowed}")
-
-
-def encode_tokens(tokens: Sequence[Token], name: str = "tokens") -> bytes:
-    """Bytes of a block's tokens: ints in [0, 2**31) as 4-byte little-endian, 32-byte digests
-    after a marker. Anything else (bools included) raises `ArgumentError` (a ValueError) naming
-    `name[i]`."""
-    if len(tokens) == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN:
-        return tokens[0].to_bytes(4, "little")  # a decode step's one token
-    packer = _PACKERS.get(len(tokens))
-    if packer is None:
-        packer = struct.Struct(f"<{len(tokens)}i")
-        if len(tokens) <= MAX_CACHED_PACKER:
-            _PACKERS[len(tokens)] = packer
-    try:
-        data = packer.pack(*tokens)
-    except (struct.error, TypeError):
-        return b"".join(_encode_token(token, name, i) for i, token in enumerate(tokens))
-    # A top byte >= 0x80 is a negative int; `struct` packs True as 1.
-    if not data[3::4].isascii() or _has_bool(tokens, data):
-        for i, token in enumerate(tokens):
-            _encode_token(token, name, i)
-    return data
-
-
-def encode_checked(tokens: Sequence[Token]) -> bytes:
-    """`encode_tokens` for tokens that were checked already (a request's committed tokens)."""
-    packer = _PACKERS.get(len(tokens))
-    if packer is not None:
-        try:
-            return packer.pack(*tokens)
-        except (struct.error, TypeError):  # digest tokens
-            pass
-    return encode_tokens(tokens)
-
-
-def _has_bool(tokens: Sequence[Token], data: bytes) -> bool:
-    """Whether an int token is really a bool (`struct` packs True as 1). Bools pack as 0 and 1,
-    so a long run is checked only at the tokens with those values (numpy finds them)."""
-    if len(tokens) <= 128:
-        return bool in set(map(type, tokens))
-    small = np.flatnonzero(np.frombuffer(data, dtype=np.uint32) < 2)
-    return any(type(tokens[i]) is bool for i in small.tolist())
-
-
-MAX_CACHED_PACKER = 512
-_PACKERS: dict[int, struct.Struct] = {}  # by token count: a block, a decode step
-
-
-def _encode_token(token: object, name: str = "tokens", index: int = 0) -> bytes:
-    if isinstance(token, int) and not isinstance(token, bool):
-        if 0 <= token < MAX_TOKEN:
-            return int(token).to_bytes(4, "little")
-    elif isinstance(token, bytes) and len(token) == DIGEST_BYTES:
-        return _DIGEST_MARKER + token
-    raise ArgumentError(
-        f"{name}[{index}]={token!r} is invalid: must be an int in [0, 2**31) or a "
-        f"{DIGEST_BYTES}-byte digest"
-    )
-
-
-def block_key(previous_key: bytes, tokens: Sequence[Token]) -> bytes:
-    return hashlib.sha256(previous_key + encode_tokens(tokens)).digest()
-
-
-def block_key_of_encoded(previous_key: bytes, encoded: bytes) -> bytes:
-    """`block_key` for tokens already validated and encoded by `encode_tokens`."""
-    return hashlib.sha256(previous_key + encoded).digest()
-
-
 _NO_PAGES: tuple[Page, ...] = ()  # "no orphans", without a new list per insert
-
-
-class Block(list["Page | None"]):
-    """One committed block: full (`tokens_per_block` tokens) or a partial tail (fewer, a leaf).
-
-    A block is the list of its pages: `block[g]` is its page for layer group `g`, or None
-    (never stored, or dropped). (A list subclass, so that a block is one object for the garbage
-    collector rather than two; blocks compare and hash by identity.) `data` is the block's
-    tokens as `encode_tokens` writes them (bytes: nothing for the collector to track). `kids` is
-    None for a leaf, the child itself when there is one (most blocks of a chain), or a dict
-    key -> child when there are several.
-    """
-
-    __slots__ = (
-        "data",
-        "in_tree",
-        "key",
-        "kids",
-        "num_partial_children",
-        "num_tokens",
-        "ordinal",
-        "parent",
-    )
-    __hash__ = object.__hash__  # type: ignore[assignment]
-
-    def __init__(
-        self,
-        key: bytes,
-        parent: Block | None,
-        data: bytes,
-        num_tokens: int,
-        no_pages: list[None],
-    ) -> None:
-        super().__init__(no_pages)
-        self.key = key
-        self.parent = parent
-        self.data = data
-        self.num_tokens = num_tokens
-        self.ordinal: int = -1 if parent is None else parent.ordinal + 1
-        self.kids: Block | dict[bytes, Block] | None = None
-        self.num_partial_children = 0  # children with fewer tokens than a block
-        self.in_tree = True
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    def __ne__(self, other: object) -> bool:
-        return self is not other
-
-    def __bool__(self) -> bool:
-        return True
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    def child(self, key: bytes) -> Block | None:
-        kids = self.kids
-        if kids is None:
-            return None
-        if isinstance(kids, dict):
-            return kids.get(key)
-        return kids if kids.key == key else None
-
-    @property
-    def children(self) -> list[Block]:
-        kids = self.kids
-        if kids is None:
-            return []
-        return list(kids.values()) if isinstance(kids, dict) else [kids]
-
-    @property
-    def tokens(self) -> tuple[Token, ...]:
-        """The block's tokens, decoded from `data` (for introspection)."""
-        return decode_tokens(self.data)
-
-    def __repr__(self) -> str:
-        return (
-            f"Block(ordinal {self.ordinal}, {self.num_tokens} tokens, "
-            f"{len(self.children)} children)"
-        )
 
 
 def _add_child(parent: Block, block: Block) -> None:
@@ -240,40 +44,6 @@ def _remove_child(parent: Block, block: Block) -> None:
     del kids[block.key]
     if len(kids) == 1:
         (parent.kids,) = kids.values()
-
-
-def decode_tokens(data: bytes) -> tuple[Token, ...]:
-    """The inverse of `encode_tokens`."""
-    if _DIGEST_MARKER not in data:
-        return struct.unpack(f"<{len(data) // 4}i", data)
-    tokens: list[Token] = []
-    position = 0
-    while position < len(data):
-        if data[position : position + 4] == _DIGEST_MARKER:
-            tokens.append(bytes(data[position + 4 : position + 4 + DIGEST_BYTES]))
-            position += 4 + DIGEST_BYTES
-        else:
-            tokens.append(int.from_bytes(data[position : position + 4], "little"))
-            position += 4
-    return tuple(tokens)
-
-
-def _common_token_prefix(a: bytes, b: bytes) -> int:
-    """How many leading tokens two encoded token strings share."""
-    size = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        size += 1
-    if _DIGEST_MARKER not in a[:size]:
-        return size // 4
-    count = position = 0
-    while True:
-        width = 4 + DIGEST_BYTES if a[position : position + 4] == _DIGEST_MARKER else 4
-        if position + width > size:
-            return count
-        position += width
-        count += 1
 
 
 @dataclass

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from kvpool.config import CacheTier
 from kvpool.errors import CorruptedError, OutOfPagesError, StorageError
 from kvpool.eviction import EvictionQueue
-from kvpool.pages import Page
+from kvpool.records import Page
 from kvpool.storage.copier import Copier
 from kvpool.storage.memory import HostMemory
 from kvpool.storage.pools import LevelStorage, PoolGroup

@@ -57,7 +57,7 @@ from kvpool import (
     SsmLayerConfig,
     StorageError,
 )
-from kvpool.layout import SsmLifeCycle
+from kvpool.lifecycles import SsmLifeCycle
 from tests.engine_check import CheckingEngine
 from tests.faults import DiskFaults, state_of
 

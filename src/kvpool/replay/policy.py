@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvpool.cache import KVCache
 from kvpool.errors import ArgumentError
 from kvpool.manager import KVCacheManager
-from kvpool.pages import DEFAULT_PRIORITY
+from kvpool.records import DEFAULT_PRIORITY
 
 
 @dataclass(frozen=True)

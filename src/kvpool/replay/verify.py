@@ -17,10 +17,11 @@ import numpy as np
 
 from kvpool.cache import KVCache
 from kvpool.errors import ArgumentError
-from kvpool.layout import BufferPlacement, SsmLifeCycle
+from kvpool.layout import BufferPlacement
+from kvpool.lifecycles import SsmLifeCycle
 from kvpool.manager import KVCacheManager
-from kvpool.pages import Page
-from kvpool.radix import Token
+from kvpool.records import Page
+from kvpool.tokens import Token
 
 RECORD_BYTES = 16
 

@@ -1,0 +1,169 @@
+"""The two linked bookkeeping records: a `Page` (one slot holding one block of one layer group at
+one cache level) and a `Block` (one committed block in the radix tree, the list of its pages).
+Each points at the other, so they live in one module.
+
+A page's status is derived from its owners: requests that are running *lock* it (it must stay on
+the GPU), suspended requests *hold* it (it may move to a colder level but is never dropped).
+A page attached to a radix-tree block is *committed*: immutable and shareable; when nobody owns it
+any more it stays cached and becomes evictable. An uncommitted page nobody owns is freed at once.
+
+The storage manager reuses the Page object of a freed page for a later one (`reset`), so nothing
+may keep a page after it is freed; nothing in kvpool does (owners, blocks and queues let go first).
+Likewise the tree reuses Block objects that left it: requests keep block keys, never blocks.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from kvpool.tokens import Token, decode_tokens
+
+if TYPE_CHECKING:
+    from kvpool.storage.slots import Slot
+
+
+DEFAULT_PRIORITY = 35
+MIN_PRIORITY = 0
+MAX_PRIORITY = 100
+
+
+class PageStatus(Enum):
+    LOCKED = "locked"
+    HELD = "held"
+    DROPPABLE = "droppable"
+
+
+class Page:
+    """Ownership record of one slot; the `StorageManager` changes the counts."""
+
+    __slots__ = (
+        "block",
+        "holds",
+        "layer_group",
+        "level",
+        "locks",
+        "pool_group",
+        "priority",
+        "queued",
+        "slot",
+    )
+
+    def __init__(
+        self, slot: Slot | None, level: int, pool_group: int, layer_group: int, locks: int = 0
+    ) -> None:
+        self.reset(slot, level, pool_group, layer_group, locks)
+
+    def reset(
+        self, slot: Slot | None, level: int, pool_group: int, layer_group: int, locks: int
+    ) -> None:
+        """(Re)start as a new page in `slot` (the storage manager reuses freed Page objects)."""
+        self.slot: Slot | None = slot
+        self.level = level
+        self.pool_group = pool_group
+        self.layer_group = layer_group
+        self.block: Block | None = None  # set while the page is the tree block's copy
+        self.locks = locks
+        self.holds = 0
+        self.priority = DEFAULT_PRIORITY
+        self.queued = False  # in its (level, pool group) eviction queue
+
+    @property
+    def slot_id(self) -> int:
+        assert self.slot is not None, "page was freed"
+        return self.slot.slot_id
+
+    @property
+    def status(self) -> PageStatus:
+        if self.locks:
+            return PageStatus.LOCKED
+        return PageStatus.HELD if self.holds else PageStatus.DROPPABLE
+
+    def __repr__(self) -> str:
+        slot = self.slot.slot_id if self.slot is not None else "freed"
+        kind = "committed" if self.block is not None else "uncommitted"
+        return (
+            f"Page(level {self.level}, pool group {self.pool_group}, slot {slot}, {kind}, "
+            f"locks {self.locks}, holds {self.holds})"
+        )
+
+
+class Block(list["Page | None"]):
+    """One committed block: full (`tokens_per_block` tokens) or a partial tail (fewer, a leaf).
+
+    A block is the list of its pages: `block[g]` is its page for layer group `g`, or None
+    (never stored, or dropped). (A list subclass, so that a block is one object for the garbage
+    collector rather than two; blocks compare and hash by identity.) `data` is the block's
+    tokens as `encode_tokens` writes them (bytes: nothing for the collector to track). `kids` is
+    None for a leaf, the child itself when there is one (most blocks of a chain), or a dict
+    key -> child when there are several.
+    """
+
+    __slots__ = (
+        "data",
+        "in_tree",
+        "key",
+        "kids",
+        "num_partial_children",
+        "num_tokens",
+        "ordinal",
+        "parent",
+    )
+    __hash__ = object.__hash__  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        key: bytes,
+        parent: Block | None,
+        data: bytes,
+        num_tokens: int,
+        no_pages: list[None],
+    ) -> None:
+        super().__init__(no_pages)
+        self.key = key
+        self.parent = parent
+        self.data = data
+        self.num_tokens = num_tokens
+        self.ordinal: int = -1 if parent is None else parent.ordinal + 1
+        self.kids: Block | dict[bytes, Block] | None = None
+        self.num_partial_children = 0  # children with fewer tokens than a block
+        self.in_tree = True
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __ne__(self, other: object) -> bool:
+        return self is not other
+
+    def __bool__(self) -> bool:
+        return True
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def child(self, key: bytes) -> Block | None:
+        kids = self.kids
+        if kids is None:
+            return None
+        if isinstance(kids, dict):
+            return kids.get(key)
+        return kids if kids.key == key else None
+
+    @property
+    def children(self) -> list[Block]:
+        kids = self.kids
+        if kids is None:
+            return []
+        return list(kids.values()) if isinstance(kids, dict) else [kids]
+
+    @property
+    def tokens(self) -> tuple[Token, ...]:
+        """The block's tokens, decoded from `data` (for introspection)."""
+        return decode_tokens(self.data)
+
+    def __repr__(self) -> str:
+        return (
+            f"Block(ordinal {self.ordinal}, {self.num_tokens} tokens, "
+            f"{len(self.children)} children)"
+        )
