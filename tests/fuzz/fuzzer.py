@@ -149,6 +149,7 @@ class Run:
     monkeypatch: Any
     seed: int = 0
     requests: list[Request | None] = field(default_factory=list)
+    open_requests: dict[int, Request] = field(default_factory=dict)  # by number, not closed
     committed: set[int] = field(default_factory=set)
     stats: Counter[str] = field(default_factory=Counter)
 
@@ -188,10 +189,9 @@ class Run:
             self.verify()
 
     def _live(self, index: int) -> Request | None:
-        if not 0 <= index < len(self.requests):
-            return None
-        request = self.requests[index]
-        if request is None or request.cache.status is KVCacheStatus.CLOSED:
+        request = self.open_requests.get(index)
+        if request is not None and request.cache.status is KVCacheStatus.CLOSED:
+            del self.open_requests[index]
             return None
         return request
 
@@ -227,6 +227,7 @@ class Run:
             SCOPES[scope], tokens[:prompt], priority_callback=self._callback(callback)
         )
         request = Request(tokens, scope, cache, chain_hashes(scope, tokens), callback=callback)
+        self.open_requests[len(self.requests)] = request
         self.requests.append(request)
         reused = cache.num_committed_tokens
         assert reused <= prompt, (reused, prompt)
@@ -293,8 +294,8 @@ class Run:
 
     def op_preempt(self) -> None:
         """Suspend every active request (an engine making room for a burst)."""
-        for request in self.requests:
-            if request is not None and request.cache.status is KVCacheStatus.ACTIVE:
+        for request in self.open_requests.values():
+            if request.cache.status is KVCacheStatus.ACTIVE:
                 request.cache.suspend()
 
     def op_step(self, index: int, count: int) -> None:
@@ -436,8 +437,9 @@ class Run:
         manager = self.manager
         manager.check_invariants()
         layout = manager.layout
-        for request in self.requests:
-            if request is None or request.cache.status is KVCacheStatus.CLOSED:
+        for index in list(self.open_requests):
+            request = self._live(index)
+            if request is None:
                 continue
             cache = request.cache
             self.engine.check_anywhere(cache, request.tokens)
@@ -491,7 +493,7 @@ def generate(rng: random.Random, run: Run) -> Op:
     """One operation, weighted, on requests in a state where it does something."""
     names = list(OP_WEIGHTS)
     name = rng.choices(names, weights=[OP_WEIGHTS[n] for n in names])[0]
-    live = [i for i in range(len(run.requests)) if run._live(i) is not None]
+    live = [i for i in list(run.open_requests) if run._live(i) is not None]
     active = [i for i in live if run.requests[i].cache.status is KVCacheStatus.ACTIVE]  # type: ignore[union-attr]
     suspended = [i for i in live if i not in active]
     if name in ("step", "grow") and not active:
