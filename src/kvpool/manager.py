@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool import _debug
-from kvpool.cache import CacheContext, KVCache, KVCacheStatus, PriorityCallback
+from kvpool.cache import CacheContext, KVCache, KVCacheStatus, PriorityCallback, RequestState
 from kvpool.config import (
     CacheTier,
     DiskCacheTierConfig,
@@ -274,7 +274,7 @@ class KVCacheManager:
     def num_open_kv_caches(self) -> int:
         return len(self._living)
 
-    def _forget(self, cache: KVCache) -> None:
+    def _forget(self, cache: RequestState) -> None:
         del self._living[cache.id]
         capacity, history = cache.mean_shape
         if not cache.exclude_from_stats and capacity > 0:

@@ -1,0 +1,300 @@
+"""Commits: tokens become final and their full blocks go into the radix tree (shared with other
+requests where the tree has them); the unfinished tail goes in at `stop_committing()`.
+
+SSM layers: the live state slot must hold the state after exactly the committed tokens whenever a
+commit fills a block or `stop_committing()` runs; kvpool then snapshots it into the tree, and a
+later request can reuse a prefix only up to such a snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from hashlib import sha256
+from typing import NoReturn
+
+from kvpool import _debug
+from kvpool.cache.state import ACTIVE, GPU_LEVEL, Priorities, RequestState
+from kvpool.errors import ArgumentError, LogicError, OutOfPagesError, StorageError
+from kvpool.radix import Match
+from kvpool.records import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Block, Page
+from kvpool.tokens import MAX_TOKEN, Token, block_key_of_encoded, encode_checked, encode_tokens
+from kvpool.validation import token_list
+
+logger = logging.getLogger("kvpool")
+
+
+class Commits(RequestState):
+    """`commit`, `stop_committing` and the reuse of a matched prefix at creation."""
+
+    def commit(self, tokens: Sequence[Token]) -> None:
+        """Make the next `tokens` (whose KV is written) final. Every block they fill goes into
+        the radix tree; if an identical block is already there, this request switches to the
+        tree's pages and frees its own."""
+        if self._status is not ACTIVE:
+            self._require_active("commit")
+        if not self._committing:
+            raise LogicError("cannot commit tokens after stop_committing()")
+        if type(tokens) is not tuple and type(tokens) is not list:
+            tokens = token_list("tokens", tokens)
+        count = len(tokens)
+        committed = self._committed + count
+        if count == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN:
+            if committed > self._capacity:
+                self._refuse_commit(count)
+            tail = self._tail
+            if len(tail) + 1 < self._tpb:  # a decode step that fills no block: kept short
+                tail.append(tokens[0])
+                self._committed = committed
+                if committed > self._history:
+                    self._history = committed
+                if _debug.DEBUG:
+                    self._ctx.check()
+                return
+            encoded = None
+        else:
+            encoded = encode_tokens(tokens)  # validates before anything changes
+            if len(encoded) != 4 * count:
+                encoded = None  # digest tokens: blocks are encoded one by one
+            if committed > self._capacity:
+                self._refuse_commit(count)
+        self._commit_tokens(tokens, encoded)
+        if _debug.DEBUG:
+            self._ctx.check()
+
+    def _refuse_commit(self, count: int) -> NoReturn:
+        raise LogicError(
+            f"cannot commit {count} tokens: {self._committed} are committed and the capacity "
+            f"is {self._capacity}"
+        )
+
+    def _commit_tokens(self, tokens: Sequence[Token], encoded: bytes | None) -> None:
+        """`commit` of checked tokens. When they fill blocks, the priority callback and the SSM
+        snapshot pages are settled before anything changes, then the blocks go into the tree."""
+        tail, tpb, count = self._tail, self._tpb, len(tokens)
+        filled = len(tail) + count
+        priorities = snapshots = None
+        if filled >= tpb:
+            if self._priority_callback is not None:
+                priorities = self._priorities((self._committed - len(tail)) // tpb, filled // tpb)
+            if self._ssm and filled % tpb == 0:
+                snapshots = self._snapshot_pages()
+        # Nothing has changed so far.
+        tail += tokens
+        self._committed += count
+        if self._committed > self._history:
+            self._history = self._committed
+        if filled >= tpb:
+            self._commit_full_blocks(encoded, len(tail) - count, priorities, snapshots)
+
+    def _commit_full_blocks(
+        self,
+        encoded: bytes | None,
+        encoded_start: int,
+        priorities: Priorities | None,
+        snapshots: dict[int, Page] | None,
+    ) -> None:
+        """Insert the tail's full blocks into the tree, in order; keep the rest as the tail.
+        `encoded` (if not None) holds the tail's tokens from `encoded_start` on, 4 bytes each."""
+        tail, tpb = self._tail, self._tpb
+        num_full = len(tail) // tpb
+        first = (self._committed - len(tail)) // tpb
+        parent = self._insertion_parent()
+        keys, datas = [], []
+        key = self._prev_key
+        for start in range(0, num_full * tpb, tpb):
+            if encoded is not None and start >= encoded_start:
+                offset = 4 * (start - encoded_start)
+                block_data = encoded[offset : offset + 4 * tpb]
+            else:
+                block_data = encode_checked(tail[start : start + tpb])
+            key = sha256(key + block_data).digest()
+            keys.append(key)
+            datas.append(block_data)
+        self._prev_key = key
+        del tail[: num_full * tpb]
+        if parent is None:  # the previous block left the tree: nothing to share under
+            self._snapshot_ssm(None, priorities, snapshots)
+            return
+        blocks, orphans = self._ctx.tree.insert_chain(parent, keys, datas)
+        for orphan in orphans:
+            self._ctx.storage.settle(orphan)
+        self._attach_pages(first, blocks, priorities)
+        if snapshots:
+            self._snapshot_ssm(blocks[-1], priorities, snapshots)
+
+    def _insertion_parent(self) -> Block | None:
+        """The tree block the next committed block goes under (None if it is not in the tree)."""
+        tree = self._ctx.tree
+        if self._prev_key == self._scope_key:
+            return tree.root(self._scope_key)
+        return tree.index.get(self._prev_key)
+
+    def _attach_pages(
+        self, first: int, blocks: Sequence[Block], priorities: Priorities | None
+    ) -> None:
+        """Make our pages of blocks `first`, `first + 1`, ... the tree blocks' pages (with their
+        `priorities`, if given); where a block already has one, share it instead (one copy of
+        the KV, not two)."""
+        storage = self._ctx.storage
+        for g in self._attention_groups:
+            pages = self._pages[g]
+            for index, block in enumerate(blocks, first):
+                page = pages[index] if index < len(pages) else None
+                if page is None or page.block is not None:
+                    continue
+                existing = block[g]
+                if existing is None:
+                    if priorities is not None:
+                        storage.set_priority(page, priorities[block.ordinal, g])
+                    block[g] = page
+                    page.block = block
+                    if not page.locks:
+                        storage.settle(page)
+                elif block.num_tokens == self._tpb:
+                    self._share(g, index, page, existing)
+
+    def _share(self, g: int, index: int, page: Page, existing: Page) -> None:
+        """Block `index` is already in the tree with page `existing`: use the tree's page if it
+        is on the GPU, else (colder and unused) put ours in its place."""
+        storage, tree = self._ctx.storage, self._ctx.tree
+        if existing.level == GPU_LEVEL:
+            self._acquire(existing)
+            self._set_page(g, index, existing)
+            self._release(page)
+        elif not existing.locks and not existing.holds:
+            block = existing.block
+            assert block is not None
+            tree.detach(existing)
+            storage.settle(existing)
+            storage.set_priority(page, existing.priority)
+            tree.attach(block, page)
+            storage.settle(page)
+
+    def _snapshot_pages(self) -> dict[int, Page]:
+        """Before a commit that ends at a block boundary changes anything: a locked page per
+        SSM layer group for the state snapshot (best effort: none where no slot can be had,
+        and none at all after an I/O error while making room)."""
+        storage = self._ctx.storage
+        pages: dict[int, Page] = {}
+        try:
+            for g in self._ssm:
+                if self._pages[g][0] is not None:
+                    pool_group = self._ctx.layout.pool_group_of[g]
+                    (pages[g],) = storage.new_pages(GPU_LEVEL, pool_group, g, 1, locks=1)
+        except (OutOfPagesError, StorageError) as error:
+            if isinstance(error, StorageError):
+                logger.warning("no SSM state snapshot: making room failed (%s)", error)
+        except BaseException:
+            for page in pages.values():
+                storage.unlock(page)
+            raise
+        return pages
+
+    def _snapshot_ssm(
+        self, block: Block | None, priorities: Priorities | None, pages: dict[int, Page] | None
+    ) -> None:
+        """Copy each live SSM state into its snapshot page (from `_snapshot_pages`) and attach
+        it to `block`; pages not needed (the block has a snapshot already) are freed."""
+        if not pages:
+            return
+        storage = self._ctx.storage
+        for g, page in pages.items():
+            live = self._pages[g][0]
+            if block is not None and live is not None and block[g] is None:
+                try:
+                    storage.copy_pages([(live, page)])
+                except StorageError:
+                    storage.unlock(page)  # uncommitted and unowned: freed
+                    continue
+                page.priority = (
+                    DEFAULT_PRIORITY if priorities is None else priorities[block.ordinal, g]
+                )
+                self._ctx.tree.attach(block, page)
+            storage.unlock(page)
+
+    def stop_committing(self) -> None:
+        """No more commits: the unfinished tail block goes into the tree as a partial block."""
+        self._require_open("stop_committing")
+        if not self._committing:
+            return
+        if self._tail:
+            index = self._committed // self._tpb
+            priorities = None
+            if self._priority_callback is not None:
+                priorities = self._priorities(index, 1)  # before anything changes
+            snapshots = self._snapshot_pages() if self._ssm else None
+            data = encode_checked(self._tail)
+            key = block_key_of_encoded(self._prev_key, data)
+            self._commit_block(index, data, len(self._tail), key, priorities, snapshots)
+        self._committing = False
+        self._after_call()
+
+    def _commit_block(
+        self,
+        index: int,
+        data: bytes,
+        num_tokens: int,
+        key: bytes,
+        priorities: Priorities | None,
+        snapshots: dict[int, Page] | None,
+    ) -> None:
+        """Insert block `index` (the partial tail: `num_tokens` tokens encoded as `data`) with
+        `key` under the previous committed block, and snapshot the SSM states at its end."""
+        parent = self._insertion_parent()
+        block = None
+        if parent is not None:
+            block, orphans = self._ctx.tree.insert(parent, key, data, num_tokens)
+            for orphan in orphans:
+                self._ctx.storage.settle(orphan)
+        if block is not None:
+            self._attach_pages(index, [block], priorities)
+        self._snapshot_ssm(block, priorities, snapshots)
+
+    def _priorities(self, first: int, count: int) -> Priorities:
+        """The callback's priority for blocks `first` ... `first + count - 1` of every layer
+        group, checked, before a commit changes anything."""
+        callback = self._priority_callback
+        assert callback is not None
+        priorities = {}
+        for ordinal in range(first, first + count):
+            for layer_group in range(len(self._pages)):
+                priority = callback(ordinal, layer_group)
+                if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+                    raise ArgumentError(
+                        f"priority_callback({ordinal}, {layer_group})={priority!r} is invalid: "
+                        f"must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]"
+                    )
+                priorities[ordinal, layer_group] = priority
+        return priorities
+
+    def adopt_match(self, match: Match, tokens: Sequence[Token]) -> None:
+        """Hold the pages of a reused prefix: the blocks each layer group needs at its end, and
+        the deferred private copies (partial last block, SSM snapshot)."""
+        length, tpb = match.num_tokens, self._tpb
+        if not length:
+            return
+        storage = self._ctx.storage
+        num_blocks = -(-length // tpb)
+        partial = length % tpb != 0
+        for g, lc in self._attention:
+            beg, end = lc.stale_range(length, tpb)
+            self._table.resize(g, num_blocks)
+            indices = [index for index in range(num_blocks) if not beg <= index < end]
+            pages = [match.blocks[index][g] for index in indices]
+            assert None not in pages, "match pruning guarantees the pages"
+            storage.hold_all(pages)  # type: ignore[arg-type]
+            if partial and indices and indices[-1] == num_blocks - 1:
+                self._deferred.append((g, num_blocks - 1, pages[-1]))  # type: ignore[arg-type]
+            self._table.set_many(g, indices, pages)  # type: ignore[arg-type]
+            self._released_end[g] = end
+        for g in self._ssm:
+            snapshot = match.blocks[num_blocks - 1][g]
+            assert snapshot is not None, "match pruning guarantees the snapshot"
+            storage.hold(snapshot)
+            self._deferred.append((g, -1, snapshot))
+        full_blocks = length // tpb
+        if full_blocks:
+            self._prev_key = match.blocks[full_blocks - 1].key
+        self._tail = list(tokens[full_blocks * tpb : length])
+        self._capacity = self._history = self._committed = self.reused_length = length

@@ -1,0 +1,143 @@
+"""Growth: reserving blocks for a request (`resize`), and releasing the blocks that fall out of a
+sliding window as the history grows (sink blocks stay)."""
+
+from __future__ import annotations
+
+from kvpool import _debug
+from kvpool.cache.state import ACTIVE, GPU_LEVEL, RequestState
+from kvpool.errors import ArgumentError, LogicError
+from kvpool.records import Page
+
+
+class Growth(RequestState):
+    """`resize` and the sliding-window release it does on the way."""
+
+    def resize(self, capacity: int, history_length: int | None = None) -> bool:
+        """Reserve blocks for `capacity` tokens and advance the history. All or nothing: returns
+        False, with nothing changed, when the pages cannot be found even by eviction.
+        Blocks that fall out of a sliding window are released (sink blocks stay)."""
+        if self._status is not ACTIVE:
+            self._require_active("resize")
+        history = self._history if history_length is None else history_length
+        if type(capacity) is not int or capacity < 0:  # bool is not accepted either
+            raise ArgumentError(f"capacity={capacity!r} is invalid: must be an integer >= 0")
+        if type(history) is not int or history < 0:
+            raise ArgumentError(f"history_length={history!r} is invalid: must be an integer >= 0")
+        if history < self._history:
+            raise LogicError(f"history_length cannot decrease (from {self._history} to {history})")
+        if history > capacity:
+            raise LogicError(f"history_length {history} cannot exceed capacity {capacity}")
+        self._sum_capacity += capacity
+        self._sum_history += history
+        self._num_resizes += 1
+        tpb = self._tpb
+        old_blocks, new_blocks = -(-self._capacity // tpb), -(-capacity // tpb)
+        stale: list[tuple[int, tuple[int, int]]] | tuple[()] = ()
+        unchanged = True
+        if self._windowed and history >= self._window_check:
+            stale = [(g, lc.stale_range(history, tpb)) for g, lc in self._windowed]
+            unchanged = all(end <= self._released_end[g] for g, (_, end) in stale)
+            if unchanged:
+                self._window_check = self._next_window_check()
+        if unchanged:  # nothing leaves a window: the common case, kept short
+            if new_blocks > old_blocks and not self._grow(new_blocks - old_blocks):
+                return False
+            if new_blocks >= old_blocks:
+                self._capacity, self._history = capacity, history
+                if _debug.DEBUG:
+                    self._ctx.check()
+                return True
+        layout, storage = self._ctx.layout, self._ctx.storage
+        stale_of = dict(stale)
+        releases: list[tuple[int, int]] = []
+        grants: dict[int, list[int]] = {}
+        for g in self._attention_groups:
+            pages = self._pages[g]
+            beg, end = stale_of.get(g, (0, 0))
+            # Newly stale blocks, then blocks past a smaller capacity (stale ones never reach
+            # that far: end <= ceil(history / tpb) <= new_blocks).
+            for index in (
+                *range(max(beg, self._released_end[g]), min(end, old_blocks)),
+                *range(new_blocks, old_blocks),
+            ):
+                if pages[index] is not None:
+                    releases.append((g, index))
+            if new_blocks > old_blocks:
+                wanted = [i for i in range(old_blocks, new_blocks) if not beg <= i < end]
+                if wanted:
+                    grants[g] = wanted
+        # Pages owned only by this request: an uncommitted one gives its slot straight to a new
+        # block of its layer group; a committed one becomes evictable, so it frees a slot too.
+        recycle: dict[int, list[int]] = {}  # layer group -> blocks whose page moves to a new block
+        freed_committed: dict[int, list[Page]] = {}  # per pool group
+        for g, index in releases:
+            page = self._pages[g][index]
+            assert page is not None
+            if page.locks + page.holds == 1:
+                if page.block is None:
+                    chosen = recycle.setdefault(g, [])
+                    if len(chosen) < len(grants.get(g, ())):
+                        chosen.append(index)
+                else:
+                    freed_committed.setdefault(page.pool_group, []).append(page)
+        fresh = [0] * layout.num_pool_groups  # slots to allocate per pool group
+        for g, wanted in grants.items():
+            fresh[layout.pool_group_of[g]] += len(wanted) - len(recycle.get(g, ()))
+        # Make room before releasing anything, so that a refusal (or an I/O error) changes
+        # nothing: by the usual eviction if it can, else by dropping our own released cached
+        # pages afterwards (which needs no I/O).
+        drop_own = False
+        if not storage.reserve(GPU_LEVEL, fresh):
+            first = [max(0, n - len(freed_committed.get(pg, ()))) for pg, n in enumerate(fresh)]
+            if not freed_committed or not storage.reserve(GPU_LEVEL, first):
+                return False
+            drop_own = True
+        recycled: dict[int, list[Page]] = {}
+        for g, index in releases:
+            if index in recycle.get(g, ()):
+                page = self._pages[g][index]
+                assert page is not None
+                recycled.setdefault(g, []).append(page)  # keeps its slot and our lock
+                self._table.clear(g, index)
+            else:
+                self._clear_page(g, index)
+        for g in self._attention_groups:
+            self._table.resize(g, new_blocks)
+        if drop_own:
+            for pool_group, pages_freed in freed_committed.items():
+                missing = fresh[pool_group] - storage.num_free(GPU_LEVEL, pool_group)
+                if missing > 0:
+                    storage.drop([page for page in pages_freed if page.queued][:missing])
+        for g, wanted in grants.items():
+            reuse = recycled.get(g, [])
+            reuse += self._new_pages(g, len(wanted) - len(reuse))
+            self._table.set_many(g, wanted, reuse)
+        for g, (_, end) in stale:
+            if end > self._released_end[g]:
+                self._released_end[g] = end
+        self._window_check = self._next_window_check()
+        self._capacity, self._history = capacity, history
+        if _debug.DEBUG:
+            self._ctx.check()
+        return True
+
+    def _next_window_check(self) -> int:
+        """The least history length at which a sliding window may let a block beyond the
+        released ones go (`stale_range`'s end passes them: h + 1 - w >= (released + 1) * tpb)."""
+        check = 2**63
+        for g, lc in self._windowed:
+            assert lc.window is not None
+            check = min(check, (self._released_end[g] + 1) * self._tpb + lc.window - 1)
+        return check
+
+    def _grow(self, count: int) -> bool:
+        """Append `count` new blocks to every attention layer group (all or nothing)."""
+        storage = self._ctx.storage
+        per_pool = self._attention_per_pool
+        if not storage.reserve(
+            GPU_LEVEL, per_pool if count == 1 else [count * n for n in per_pool]
+        ):
+            return False
+        for g, pool_group in self._attention_pools:
+            self._table.extend(g, storage.new_pages(GPU_LEVEL, pool_group, g, count, locks=1))
+        return True

@@ -1,0 +1,162 @@
+"""KVCache: one request's KV cache and its life cycle (resume, suspend, prefetch, close), built
+from its growth (`Growth`) and its commits (`Commits`) on the shared `RequestState`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpool.cache.commits import Commits
+from kvpool.cache.growth import Growth
+from kvpool.cache.state import GPU_LEVEL, KVCacheStatus
+from kvpool.errors import LogicError
+from kvpool.records import Page
+from kvpool.validation import check_index
+
+if TYPE_CHECKING:
+    from kvpool.tiers import Staged
+
+
+class KVCache(Growth, Commits):
+    """One request's KV cache. Created SUSPENDED by `KVCacheManager.create_kv_cache`."""
+
+    def resume(self) -> bool:
+        """Bring every page the request needs to the GPU level and lock it there. Returns False
+        (still suspended, nothing moved) when a GPU pool group is fuller than
+        `max_util_for_resume` or the GPU cannot take the pages (plus the private copies made on
+        first resume), even by pushing other pages down."""
+        self._require_open("resume")
+        if self._status is KVCacheStatus.ACTIVE:
+            return True
+        storage, layout = self._ctx.storage, self._ctx.layout
+        for pool_group in range(layout.num_pool_groups):
+            total = storage.levels[GPU_LEVEL].pool_groups[pool_group].num_slots
+            used = total - storage.num_available(GPU_LEVEL, pool_group)
+            if total and used / total > self._ctx.max_util_for_resume:
+                return False
+        ours = [page for pages in self._pages for page in pages if page is not None]
+        extra = [0] * layout.num_pool_groups  # private copies made on first resume
+        for g, block, _ in self._deferred:
+            if block >= 0:
+                extra[layout.pool_group_of[g]] += 1
+        for g in self._ssm:
+            if self._pages[g][0] is None:
+                extra[layout.pool_group_of[g]] += 1
+        snapshots = [page for _, block, page in self._deferred if block < 0]
+        storage.lock_held(ours)  # locked pages are never evicted: ours stay put while we make room
+        moved = False
+        staged = None
+        try:
+            if snapshots:  # read now: a failed read of a snapshot changes nothing
+                staged = storage.stage(snapshots)
+            moved = storage.bring_to(ours, GPU_LEVEL, extra)
+            if moved:
+                self._make_private_copies(staged or storage.stage(()))
+        except BaseException:
+            moved = False
+            raise
+        finally:
+            if staged is not None:
+                staged.close()
+            if not moved:
+                for page in ours:
+                    storage.hold(page)
+                    storage.unlock(page)
+        if not moved:
+            return False
+        self._status = KVCacheStatus.ACTIVE
+        self.refresh_tables()
+        self._after_call()
+        return True
+
+    def prefetch(self, level: int) -> bool:
+        """Suspended requests only: move the request's pages that are colder than `level` up
+        to it, as far as `level` has room (best effort). True when none is left colder."""
+        self._require_open("prefetch")
+        if self._status is not KVCacheStatus.SUSPENDED:
+            raise LogicError(
+                f"prefetch() on KV cache {self.id}, which is {self._status.value} (it must be suspended)"
+            )
+        storage = self._ctx.storage
+        check_index("level", level, len(storage.levels))
+        ours = [page for pages in self._pages for page in pages if page is not None]
+        ours += [page for _, index, page in self._deferred if index < 0]  # SSM snapshots
+        ours = list(dict.fromkeys(ours))  # a page twice (shared by two blocks) is locked once
+        for page in ours:
+            storage.lock(page)  # none of ours is evicted to make room for the others
+        try:
+            storage.lift([page for page in ours if page.level > level], level)
+        finally:
+            for page in ours:
+                storage.unlock(page)
+        self._after_call()
+        return all(page.level <= level for page in ours)
+
+    def _make_private_copies(self, staged: Staged) -> None:
+        """First resume: copy a partially reused block and a reused SSM snapshot (from its RAM
+        copy in `staged`) into private pages (shared pages are never written), and give SSM
+        layers their live state slot. The caller holds the room for them; on a copy error
+        nothing changes."""
+        storage = self._ctx.storage
+        snapshots = {g: page for g, block, page in self._deferred if block < 0}
+        copies: list[tuple[int, int, Page, Page]] = []  # (group, block, shared, private)
+        try:
+            for g, block, shared in self._deferred:
+                if block >= 0:
+                    copies.append((g, block, shared, self._new_page(g)))
+            for g in self._ssm:
+                if self._pages[g][0] is None:
+                    live = self._new_page(g)
+                    copies.append((g, 0, snapshots.get(g, live), live))
+            storage.copy_pages(
+                [(shared, private) for _, _, shared, private in copies if shared is not private],
+                staged,
+            )
+        except BaseException:
+            for _, _, _, private in copies:
+                storage.unlock(private)
+            raise
+        for g, block, shared, private in copies:
+            self._pages[g][block] = private
+            if shared is private:
+                continue
+            if g in self._ssm:
+                storage.unhold(shared)  # the snapshot: held, not in our table
+            else:
+                storage.unlock(shared)  # the partial block: locked with our other pages
+        self._deferred = []
+
+    def suspend(self) -> None:
+        """Turn the request's locks into holds: its pages may then move to colder levels (never
+        dropped) while others run."""
+        self._require_open("suspend")
+        if self._status is KVCacheStatus.SUSPENDED:
+            return
+        storage = self._ctx.storage
+        for pages in self._pages:
+            for page in pages:
+                if page is not None:
+                    storage.hold(page)
+                    storage.unlock(page)
+        self._status = KVCacheStatus.SUSPENDED
+        self._after_call()
+
+    def close(self) -> None:
+        """Finish the request (idempotent): commit the partial tail, release every page.
+        Committed pages stay cached in the tree for reuse."""
+        if self._status is KVCacheStatus.CLOSED:
+            return
+        if self._committing:
+            self.stop_committing()
+        storage = self._ctx.storage
+        for _, index, snapshot in self._deferred:
+            if index < 0:
+                storage.unhold(snapshot)
+        self._deferred = []
+        # Last block first: parents become evictable after their children, so eviction trims
+        # a cached chain from its end and shorter prefixes stay reusable.
+        release = storage.unlock_all if self._status is KVCacheStatus.ACTIVE else storage.unhold_all
+        for g in range(len(self._pages)):
+            release([page for page in reversed(self._table.clear_all(g)) if page is not None])
+        self._status = KVCacheStatus.CLOSED
+        self._ctx.on_close(self)
+        self._after_call()
