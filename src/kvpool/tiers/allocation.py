@@ -1,0 +1,151 @@
+"""Allocation: making room at a level by carrying out eviction plans, new pages, and bringing a
+request's pages up a level (`bring_to` for resume, `lift` for prefetch)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from kvpool.records import Page
+from kvpool.tiers.migration import Migration
+from kvpool.tiers.planning import Plan, Planning
+
+
+class Allocation(Planning, Migration):
+    """Slots made free by cascading eviction, and pages moved up into them."""
+
+    def reserve(self, level: int, counts: Sequence[int]) -> bool:
+        """Make `counts[pg]` slots free per pool group at `level` (by cascading eviction), or
+        return False with nothing changed."""
+        plans, drops = [], []
+        allocators, queues = self.allocators[level], self.queues[level]
+        for pool_group, count in enumerate(counts):
+            missing = count - allocators[pool_group].num_free_slots
+            if missing <= 0:
+                continue
+            if level == self._last_level:  # dropping the oldest pages is all eviction can do
+                # Drop a few more than needed (0.1% of the pool group), so that the next small
+                # allocations (a decode step's new block) find a free slot: eviction's fixed cost
+                # is then paid once per batch, not once per block.
+                spare = allocators[pool_group].capacity >> 10
+                victims = queues[pool_group].oldest(missing + spare)
+                if len(victims) < missing:
+                    return False
+                drops.append(victims)
+            else:
+                plan = self._plan(level, pool_group, count, count)
+                if plan is None:
+                    return False
+                plans.append(plan)
+        for victims in drops:
+            self.drop(victims)
+        for plan in plans:
+            self._execute(plan)
+        return True
+
+    def new_pages(
+        self, level: int, pool_group: int, layer_group: int, count: int, locks: int = 0
+    ) -> list[Page]:
+        """`count` new pages (evicting if needed), or `OutOfPagesError` and nothing changed.
+        With `locks=0` the caller must lock or hold each one at once."""
+        allocator = self.allocators[level][pool_group]
+        if allocator.num_free_slots < count:
+            self.make_room(level, pool_group, count)
+        spare, owners = self._spare_pages, self.pages[level][pool_group]
+        pages = []
+        for slot in allocator.allocate_multiple(count):
+            if spare:
+                page = spare.pop()
+                page.reset(slot, level, pool_group, layer_group, locks)
+            else:
+                page = Page(slot, level, pool_group, layer_group, locks)
+            owners[slot.slot_id] = page
+            pages.append(page)
+        return pages
+
+    def make_room(
+        self, level: int, pool_group: int, count: int, at_least: int | None = None
+    ) -> int:
+        """Free up to `count` slots (at least `at_least`, default all) at `level` by cascading
+        eviction; returns how many are free. `OutOfPagesError`, with nothing changed, when even
+        `at_least` cannot be had."""
+        if self.num_free(level, pool_group) >= count:
+            return count
+        plan = self._plan_most(level, pool_group, count, count if at_least is None else at_least)
+        self._execute(plan)
+        return min(count, self.num_free(level, pool_group))
+
+    def _execute(self, plan: Plan) -> None:
+        if plan.drops:
+            self.drop(plan.drops)
+        for level, pages in plan.moves:
+            alive = [page for page in pages if page.slot is not None and page.level == level]
+            self.migrate(alive, level + 1)
+
+    def bring_to(self, pages: Sequence[Page], level: int, extra: Sequence[int]) -> bool:
+        """Move `pages` (locked by the caller, so never chosen for eviction) to `level` and
+        leave `extra[pg]` more free slots there, pushing other pages down as needed. All or
+        nothing: False, with nothing changed and no I/O, when it cannot be done.
+
+        Pages on disk are read into RAM first, so a failed read changes nothing. When the
+        colder levels are full too (partly with `pages` themselves), the pages swap places
+        with the pages they push down: all their bytes are staged in RAM, their slots freed
+        for the pushed pages, and then written to their new slots. If pushing fails half way,
+        each staged page is written back to a free slot (its old level first)."""
+        needs = list(extra)
+        moving = [page for page in pages if page.level != level]
+        for page in moving:
+            needs[page.pool_group] += 1
+        if self.can_allocate(level, needs):
+            staged = self.stage(moving)
+            try:
+                for pool_group, count in enumerate(needs):
+                    if count:
+                        self.make_room(level, pool_group, count)
+                self.migrate(moving, level, staged)
+            finally:
+                staged.close()
+            return True
+        credit = Counter((page.level, page.pool_group) for page in moving)
+        if not moving or not self.can_allocate(level, needs, credit):
+            return False
+        staged = self.stage(moving, every=True)
+        homes = [page.level for page in moving]
+        try:
+            for page in moving:
+                self._release_slot(page)
+            try:
+                for pool_group, count in enumerate(needs):
+                    if count:
+                        self.make_room(level, pool_group, count)
+            except BaseException:
+                for page, home in zip(moving, homes, strict=True):
+                    self._place(page, [home, level], staged)
+                raise
+            for page, home in zip(moving, homes, strict=True):
+                self._place(page, [level, home], staged)
+        finally:
+            staged.close()
+        self.num_swapped += len(moving)
+        return True
+
+    def lift(self, pages: Sequence[Page], level: int) -> None:
+        """Move as many of `pages` (colder than `level`, locked by the caller) up to `level`
+        as it can take by pushing other pages down (best effort). Disk pages are read into RAM
+        first, so a failed read changes nothing."""
+        by_group: dict[int, list[Page]] = {}
+        for page in pages:
+            by_group.setdefault(page.pool_group, []).append(page)
+        plans = [
+            (pool_group, group_pages, self._plan_most(level, pool_group, len(group_pages), 0))
+            for pool_group, group_pages in by_group.items()
+        ]
+        fitting = [page for _, group_pages, plan in plans for page in group_pages[: plan.free]]
+        staged = self.stage(fitting)
+        try:
+            for pool_group, group_pages, plan in plans:
+                self._execute(plan)
+                room = min(plan.free, self.num_free(level, pool_group))
+                self.migrate(group_pages[:room], level, staged)
+        finally:
+            staged.close()

@@ -1,0 +1,204 @@
+"""Migration: moving pages between levels (or inside one) by batched copies, and staging bytes in
+RAM so that reads that can fail happen before anything changes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from kvpool.config import CacheTier
+from kvpool.errors import CorruptedError, StorageError
+from kvpool.records import Page
+from kvpool.storage.memory import HostMemory
+from kvpool.storage.pools import PoolGroup
+from kvpool.tiers.ownership import Ownership
+
+
+class Staged:
+    """Copies of some pages' bytes in RAM, one staging slot per page, read before anything
+    changes: a failed read raises with nothing changed, and the copy in RAM is what the pages
+    are later written from. `close()` releases the memory."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, PoolGroup] = {}  # per pool group: staging pools in RAM
+        self.slot_of: dict[int, int] = {}  # id(page) -> its staging slot
+
+    def has(self, page: Page) -> bool:
+        return id(page) in self.slot_of
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            group.close()
+        self.groups.clear()
+        self.slot_of.clear()
+
+
+_NOTHING_STAGED = Staged()
+
+
+NOTHING_STAGED = Staged()
+
+
+class Migration(Ownership):
+    """Copies of pages between slots; a batch moves whole or not at all."""
+
+    def migrate(self, pages: Sequence[Page], level: int, staged: Staged = NOTHING_STAGED) -> None:
+        """Move pages (any levels, one pool group each) to `level`, copying their bytes in
+        batches (from their RAM copies where `staged` has them). The destination must have free
+        slots. On a copy error the failing batch does not move: the error is raised, its
+        sources stay valid and its destination slots are released."""
+        batches: dict[tuple[int, int], list[Page]] = {}
+        for page in pages:
+            if page.level != level:
+                batches.setdefault((page.level, page.pool_group), []).append(page)
+        for (source_level, pool_group), batch in batches.items():
+            self._migrate_batch(batch, source_level, level, pool_group, staged)
+
+    def _migrate_batch(
+        self,
+        batch: list[Page],
+        source_level: int,
+        level: int,
+        pool_group: int,
+        staged: Staged = NOTHING_STAGED,
+    ) -> None:
+        allocator = self.levels[level].pool_groups[pool_group].allocator
+        slots = allocator.allocate_multiple(len(batch))
+        for slot in slots:
+            if slot.ready_event is not None:
+                slot.ready_event.wait()  # the slot's previous copy must be done before we write
+        source_group = self.levels[source_level].pool_groups[pool_group]
+        target_group = self.levels[level].pool_groups[pool_group]
+        if staged.slot_of and staged.has(batch[0]):
+            copy_from, slot_of = staged.groups[pool_group], staged.slot_of
+            pairs = [
+                (slot_of[id(page)], slot.slot_id) for page, slot in zip(batch, slots, strict=True)
+            ]
+        else:
+            copy_from = source_group
+            pairs = [(page.slot_id, slot.slot_id) for page, slot in zip(batch, slots, strict=True)]
+        try:
+            event = self.copier.copy(copy_from, target_group, pairs)
+            event.check()
+        except BaseException:  # (an interrupt in an inline copy too)
+            allocator.release_multiple(slots)
+            raise
+        source_pages, target_pages = (
+            self.pages[source_level][pool_group],
+            self.pages[level][pool_group],
+        )
+        queued = [page for page in batch if page.queued]
+        if queued:
+            self.queues[source_level][pool_group].remove_all(queued)
+        old_slots = []
+        for page, slot in zip(batch, slots, strict=True):
+            old = page.slot
+            assert old is not None
+            del source_pages[old.slot_id]
+            old_slots.append(old)
+            slot.ready_event = event
+            page.slot, page.level = slot, level
+            target_pages[slot.slot_id] = page
+        source_group.allocator.release_multiple(old_slots, ready_event=event)
+        evictable = []  # `settle` each page, queueing in one batch
+        for page in batch:
+            if self.is_evictable(page):
+                evictable.append(page)
+            else:
+                self.settle(page)
+        self.queues[level][pool_group].push_all(evictable)
+        if source_level != level:
+            self.num_moved[level] += len(batch)
+            self.bytes_moved[level] += len(batch) * sum(source_group.slot_sizes)
+
+    def stage(self, pages: Sequence[Page], every: bool = False) -> Staged:
+        """Read the bytes of those `pages` that live on a disk level (or of all of them, with
+        `every`) into RAM. A failed read raises `StorageError` with nothing changed."""
+        wanted = [page for page in pages if every or self.levels[page.level].tier is CacheTier.DISK]
+        if not wanted:
+            return NOTHING_STAGED
+        staged = Staged()
+        batches: dict[tuple[int, int], list[Page]] = {}
+        for page in wanted:
+            batches.setdefault((page.level, page.pool_group), []).append(page)
+        sizes = Counter(page.pool_group for page in wanted)
+        try:
+            for pool_group, count in sizes.items():
+                staged.groups[pool_group] = PoolGroup(
+                    self.levels[0].pool_groups[pool_group].slot_sizes,
+                    count,
+                    lambda pool, size: HostMemory(size),
+                )
+            taken = Counter[int]()
+            for (level, pool_group), batch in batches.items():
+                first = taken[pool_group]
+                taken[pool_group] += len(batch)
+                pairs = [(page.slot_id, first + i) for i, page in enumerate(batch)]
+                self.copier.copy(
+                    self.levels[level].pool_groups[pool_group], staged.groups[pool_group], pairs
+                ).check()
+                for i, page in enumerate(batch):
+                    staged.slot_of[id(page)] = first + i
+        except BaseException:
+            staged.close()
+            raise
+        return staged
+
+    def _release_slot(self, page: Page) -> None:
+        """Take a (staged) page out of its slot; `_place` gives it a new one."""
+        assert page.slot is not None and not page.queued
+        del self.pages[page.level][page.pool_group][page.slot_id]
+        self.levels[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
+        page.slot = None
+
+    def _place(self, page: Page, levels: Sequence[int], staged: Staged) -> None:
+        """Write a staged page into a free slot: of the first of `levels` with one, else of any
+        level, trying the next free slot when a write fails."""
+        source, source_slot = staged.groups[page.pool_group], staged.slot_of[id(page)]
+        failure: BaseException | None = None
+        for level in dict.fromkeys([*levels, *range(len(self.levels))]):
+            group = self.levels[level].pool_groups[page.pool_group]
+            if not group.allocator.num_free_slots:
+                continue
+            slot = group.allocator.allocate()
+            if slot.ready_event is not None:
+                slot.ready_event.wait()
+            try:
+                self.copier.copy(source, group, [(source_slot, slot.slot_id)]).check()
+            except StorageError as error:
+                group.allocator.release(slot)
+                failure = error
+                continue
+            page.slot, page.level = slot, level
+            self.pages[level][page.pool_group][slot.slot_id] = page
+            self.settle(page)
+            return
+        raise CorruptedError(
+            f"no level could take staged {page} (last write error: {failure}): its KV is lost"
+        )
+
+    def copy_pages(
+        self, pairs: Iterable[tuple[Page, Page]], staged: Staged = NOTHING_STAGED
+    ) -> None:
+        """Copy each source page's bytes (from its RAM copy where `staged` has it) into its
+        destination page (any levels)."""
+        batches: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+        sources: dict[tuple[int, int, int], PoolGroup] = {}
+        for source, destination in pairs:
+            assert source.pool_group == destination.pool_group
+            pool_group = source.pool_group
+            if staged.has(source):
+                key = (-1, destination.level, pool_group)
+                sources[key] = staged.groups[pool_group]
+                slot = staged.slot_of[id(source)]
+            else:
+                key = (source.level, destination.level, pool_group)
+                sources[key] = self.levels[source.level].pool_groups[pool_group]
+                slot = source.slot_id
+            batches.setdefault(key, []).append((slot, destination.slot_id))
+        events = [
+            self.copier.copy(sources[key], self.levels[key[1]].pool_groups[key[2]], slot_pairs)
+            for key, slot_pairs in batches.items()
+        ]
+        for event in events:
+            event.check()

@@ -1,0 +1,59 @@
+"""The state every part of the `StorageManager` shares: the levels' pools, their allocators, the
+eviction queues, the page in each occupied slot, the spare page records and the counters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvpool.eviction import EvictionQueue
+from kvpool.records import Page
+from kvpool.storage.copier import Copier
+from kvpool.storage.pools import LevelStorage
+
+
+class StorageState:
+    """Pools, queues and page registries of every level (the parts of `StorageManager` build on
+    this)."""
+
+    def __init__(self, levels: Sequence[LevelStorage]) -> None:
+        self.levels = list(levels)
+        self._last_level = len(self.levels) - 1
+        # Freed Page objects, reused for new pages: no garbage per page in the hot loop (nothing
+        # keeps a freed page). Records for the GPU level's slots are made now.
+        self._spare_pages = [Page(None, 0, 0, 0) for _ in range(sum(self.levels[0].slot_counts))]
+        self.allocators = [[group.allocator for group in level.pool_groups] for level in levels]
+        self.queues = [[EvictionQueue() for _ in level.pool_groups] for level in self.levels]
+        # The page in each occupied slot, per level and pool group.
+        self.pages = [[{} for _ in level.pool_groups] for level in self.levels]  # type: list[list[dict[int, Page]]]
+        self.copier = Copier()
+        # Called with dropped pages; returns the other pages that lost their block with them.
+        self.on_drop: Callable[[Sequence[Page]], Sequence[Page]] = lambda pages: ()
+        self.num_dropped = 0
+        self.num_moved = [0] * len(self.levels)  # pages that arrived at each level
+        self.bytes_moved = [0] * len(self.levels)
+        self.num_swapped = 0  # pages brought up by staging them through RAM
+        self.num_relocated = 0  # pages moved inside their level by a shrink
+
+    @property
+    def last_level(self) -> int:
+        return self._last_level
+
+    def num_free(self, level: int, pool_group: int) -> int:
+        return self.allocators[level][pool_group].num_free_slots
+
+    def num_evictable(self, level: int, pool_group: int) -> int:
+        return len(self.queues[level][pool_group])
+
+    def num_available(self, level: int, pool_group: int) -> int:
+        """Free slots plus evictable pages (an upper bound of what allocation can get)."""
+        return self.num_free(level, pool_group) + self.num_evictable(level, pool_group)
+
+    def close(self) -> None:
+        self.copier.close()
+        for level in self.levels:
+            level.close()
+        self.levels = []
+        self.allocators = []
+        self.queues = []
+        self.pages = []
+        self._spare_pages = []
