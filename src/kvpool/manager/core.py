@@ -1,0 +1,259 @@
+"""The manager's core: building the layout, the levels, the storage manager and the tree from a
+config, and the queries about them (layout, levels, page views, statistics, consistency)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool import _debug
+from kvpool.cache import CacheContext, KVCache, RequestState
+from kvpool.config import (
+    CacheTier,
+    DiskCacheTierConfig,
+    KVCacheDesc,
+    KVCacheManagerConfig,
+)
+from kvpool.errors import LogicError
+from kvpool.layout import KVLayout
+from kvpool.manager.invariants import check_invariants
+from kvpool.radix import RadixTree
+from kvpool.rebalance import DemandEstimator
+from kvpool.storage.pools import LevelStorage
+from kvpool.tiers import StorageManager
+from kvpool.validation import (
+    check_callable,
+    check_index,
+    fail,
+)
+
+# The request shape that sizes pool groups when the config names none.
+DEFAULT_REQUEST = KVCacheDesc(capacity=2049, history_length=2048)
+
+
+@dataclass(frozen=True)
+class StorageStatistics:
+    """Slots of one pool group at one level. `available` = free + evictable."""
+
+    slot_sizes: tuple[int, ...]
+    total: int
+    free: int
+    evictable: int
+
+    @property
+    def available(self) -> int:
+        return self.free + self.evictable
+
+    @property
+    def unavailable(self) -> int:
+        return self.total - self.available
+
+
+class ManagerCore:
+    """Construction and queries (the requests and rebalancing parts build on it)."""
+
+    def __init__(
+        self, config: KVCacheManagerConfig, *, clock: Callable[[], float] | None = None
+    ) -> None:
+        """`clock` (seconds, default `time.monotonic`) times the rebalancing cooldown.
+
+        Threads: the manager and its KV caches are driven from one thread (the engine's
+        scheduler loop); nothing is locked. With `KVPOOL_DEBUG=1` a call from another thread
+        than the first caller's raises `LogicError` (`transfer_to_current_thread()` hands the
+        manager over on purpose)."""
+        if not isinstance(config, KVCacheManagerConfig):
+            fail("config", config, "a KVCacheManagerConfig")
+        check_callable("clock", clock)
+        config.validate()
+        self._closed = False
+        self._owner_thread: int | None = None
+        self._config = copy.deepcopy(config)
+        self.layout = KVLayout(self._config.layers, self._config.tokens_per_block)
+        self._min_slots = self._floors()
+        ratio = self._initial_ratio()
+        slot_sizes = [group.slot_sizes for group in self.layout.pool_groups]
+        self._levels: list[LevelStorage] = []
+        try:
+            for level, tier_config in enumerate(self._config.cache_tiers):
+                self._levels.append(
+                    LevelStorage(
+                        tier_config.tier,
+                        tier_config.quota,
+                        slot_sizes,
+                        ratio,
+                        self._min_slots,
+                        disk_path=tier_config.path
+                        if isinstance(tier_config, DiskCacheTierConfig)
+                        else None,
+                        quota_name=f"cache_tiers[{level}].quota",
+                    )
+                )
+        except BaseException:
+            for storage in self._levels:
+                storage.close()
+            raise
+        self._storage = StorageManager(self._levels)
+        # Records for about as many blocks as the GPU level holds, made now rather than in the
+        # engine's loop (like the slot handles and page records).
+        self._tree = RadixTree(self.layout, spare_blocks=max(self._levels[0].slot_counts))
+        self._storage.on_drop = self._tree.remove_pages
+        self.rebalancer = DemandEstimator(self._config, self.layout, clock or time.monotonic)
+        self._constrained: dict[int, tuple[object, int, list[float]]] = {}
+        self._living: dict[int, KVCache] = {}
+        self._ids = itertools.count()
+        self._context = CacheContext(
+            layout=self.layout,
+            storage=self._storage,
+            tree=self._tree,
+            max_util_for_resume=self._config.max_util_for_resume,
+            on_close=self._forget,
+            check=self._after_call,
+            check_thread=self._check_thread,
+        )
+
+    def _forget(self, cache: RequestState) -> None:
+        del self._living[cache.id]
+        capacity, history = cache.mean_shape
+        if not cache.exclude_from_stats and capacity > 0:
+            self.rebalancer.sample(capacity, history, cache.reused_length)
+
+    def _floors(self) -> list[int]:
+        """Per pool group: the slots a request needs to make progress, raised to what every
+        constraint batch needs at once."""
+        floors = self.layout.min_slots()
+        for batch in self._config.constraints:
+            floors = [
+                max(f, n) for f, n in zip(floors, self.layout.slots_for_batch(batch), strict=True)
+            ]
+        return floors
+
+    def _initial_ratio(self) -> list[float]:
+        """Byte share per pool group: `initial_pool_ratio`, else the typical step's need, else
+        the constraint floors, else a default request shape."""
+        config, layout = self._config, self.layout
+        if config.initial_pool_ratio is not None:
+            return layout.pool_group_ratio(config.initial_pool_ratio)
+        for slots in (
+            layout.slots_for_batch(config.typical_step) if config.typical_step else None,
+            self._min_slots if config.constraints else None,
+        ):
+            if slots is not None and any(slots):
+                need = [
+                    n * group.slot_bytes for n, group in zip(slots, layout.pool_groups, strict=True)
+                ]
+                return [b / sum(need) for b in need]
+        return layout.request_byte_ratio(DEFAULT_REQUEST.capacity, DEFAULT_REQUEST.history_length)
+
+    @property
+    def config(self) -> KVCacheManagerConfig:
+        """A copy of the configuration this manager was built from."""
+        return copy.deepcopy(self._config)
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self._config.tokens_per_block
+
+    @property
+    def num_levels(self) -> int:
+        return len(self._levels)
+
+    @property
+    def num_pool_groups(self) -> int:
+        return self.layout.num_pool_groups
+
+    @property
+    def min_slots(self) -> list[int]:
+        """Per pool group, the floor no level goes below."""
+        return list(self._min_slots)
+
+    def get_layer_group_id(self, layer_id: int) -> int:
+        group = self.layout.layer_group_of.get(layer_id) if type(layer_id) is int else None
+        if group is None:
+            fail("layer_id", layer_id, f"one of {sorted(self.layout.layer_group_of)}")
+        return group
+
+    def get_pool_group_index(self, layer_group_id: int) -> int:
+        check_index("layer_group_id", layer_group_id, self.layout.num_layer_groups)
+        return self.layout.pool_group_of[layer_group_id]
+
+    def level_storage(self, level: int) -> LevelStorage:
+        self._require_open()
+        return self._levels[check_index("level", level, len(self._levels))]
+
+    def get_tier(self, level: int) -> CacheTier:
+        return self.level_storage(level).tier
+
+    def get_quota(self, level: int) -> int:
+        """The level's byte budget; its pools use at most this much."""
+        return self.level_storage(level).quota
+
+    def get_slot_counts(self, level: int) -> list[int]:
+        """Slots per pool group at `level`."""
+        return self.level_storage(level).slot_counts
+
+    def page_view(self, layer_id: int, role: str) -> Any:
+        """Writable uint8 array [num_pages, page_bytes] over one buffer's GPU-level memory
+        (numpy; a torch tensor for CUDA memory). Rows are what `get_page_indices` returns.
+        Re-fetch after anything that resizes pools."""
+        placement = self.layout.placement(layer_id, role)
+        pool = self.level_storage(0).pool_groups[placement.pool_group].pool_view(placement.pool)
+        return pool.reshape(-1, placement.size)
+
+    def get_storage_statistics(self, level: int) -> list[StorageStatistics]:
+        """Per pool group at `level`: slot sizes, total, free, evictable, available, unavailable."""
+        storage = self.level_storage(level)
+        return [
+            StorageStatistics(
+                slot_sizes=group.slot_sizes,
+                total=group.num_slots,
+                free=group.allocator.num_free_slots,
+                evictable=self._storage.num_evictable(level, index),
+            )
+            for index, group in enumerate(storage.pool_groups)
+        ]
+
+    @property
+    def num_dropped_pages(self) -> int:
+        """Committed pages evicted from the last level so far (their KV is gone)."""
+        return self._storage.num_dropped
+
+    @property
+    def num_moved_pages(self) -> list[int]:
+        """Pages that arrived at each level so far (eviction down, bringing up, prefetch)."""
+        return self._storage.num_moved
+
+    def _after_call(self) -> None:
+        if _debug.DEBUG:
+            self._check_thread()
+            self.check_invariants()
+
+    def transfer_to_current_thread(self) -> None:
+        """Make the calling thread the one that drives this manager (see the constructor)."""
+        self._owner_thread = threading.get_ident()
+
+    def _check_thread(self) -> None:
+        """Debug mode: refuse a call from a thread other than the manager's."""
+        me = threading.get_ident()
+        if self._owner_thread is None:
+            self._owner_thread = me
+        elif self._owner_thread != me:
+            raise LogicError(
+                f"the KV-cache manager was called from thread {threading.current_thread().name} "
+                f"(id {me}) but is driven by thread id {self._owner_thread}: call it from one "
+                "thread only (or hand it over with transfer_to_current_thread())"
+            )
+
+    def check_invariants(self) -> None:
+        """Raise `CorruptedError` unless slots, page owners, queues and tree links agree."""
+        check_invariants(self.layout, self._storage, self._tree, self._living.values())
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise LogicError("the manager was shut down")
+        if _debug.DEBUG:
+            self._check_thread()

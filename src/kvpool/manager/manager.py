@@ -1,0 +1,94 @@
+"""KVCacheManager: owns the layout, every level's pools, the radix tree and the requests; the
+only entry point users need. Built from its core (`ManagerCore`: construction and queries) and
+its rebalancing (`Rebalancing`); this module adds the requests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.cache import KVCache, PriorityCallback
+from kvpool.config import (
+    ReuseScope,
+)
+from kvpool.errors import ArgumentError, LogicError
+from kvpool.manager.rebalancing import Rebalancing
+from kvpool.tokens import Token, root_key
+from kvpool.validation import (
+    check_bool,
+    check_callable,
+    fail,
+    token_list,
+)
+
+
+class KVCacheManager(Rebalancing):
+    """Paged, tiered KV-cache memory for one model."""
+
+    def create_kv_cache(
+        self,
+        reuse_scope: ReuseScope | None = None,
+        input_tokens: Sequence[Token] | None = None,
+        id: int | None = None,
+        priority_callback: PriorityCallback | None = None,
+        exclude_from_stats: bool = False,
+    ) -> KVCache:
+        """A new request, SUSPENDED, already holding the longest reusable prefix of
+        `input_tokens` (`num_committed_tokens == history_length == capacity ==` its length).
+        Leave out the prompt tokens that must be recomputed (at least the last one).
+        `exclude_from_stats` marks warm-up or padding requests: they never feed rebalancing."""
+        self._require_open()
+        scope_key = root_key(reuse_scope)
+        if id is None:
+            id = next(self._ids)
+            while id in self._living:
+                id = next(self._ids)
+        elif type(id) is not int:
+            fail("id", id, "an int or None")
+        elif id in self._living:
+            raise ArgumentError(f"id={id} is invalid: must not be the id of an open KV cache")
+        check_callable("priority_callback", priority_callback)
+        check_bool("exclude_from_stats", exclude_from_stats)
+        tokens = [] if input_tokens is None else token_list("input_tokens", input_tokens)
+        match = self._tree.match(scope_key, tokens, self._config.enable_partial_reuse)
+        cache = KVCache(self._context, id, scope_key, priority_callback, exclude_from_stats)
+        if match.num_tokens:
+            cache.adopt_match(match, tokens)
+        self._living[id] = cache
+        self._after_call()
+        return cache
+
+    def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: Sequence[Token]) -> int:
+        """How many tokens of `input_tokens` a new request would reuse now (holds nothing)."""
+        self._require_open()
+        scope_key = root_key(reuse_scope)
+        tokens = token_list("input_tokens", input_tokens)
+        return self._tree.match(scope_key, tokens, self._config.enable_partial_reuse).num_tokens
+
+    @property
+    def num_open_kv_caches(self) -> int:
+        return len(self._living)
+
+    def clear_reusable_blocks(self) -> None:
+        """Forget every cached block (refused while requests are open)."""
+        self._require_open()
+        self._refuse_with_open_caches("clear_reusable_blocks")
+        for page in self._tree.clear():
+            self._storage.settle(page)
+        self._after_call()
+
+    def shutdown(self) -> None:
+        """Release all memory (idempotent; refused while requests are open)."""
+        if self._closed:
+            return
+        self._refuse_with_open_caches("shutdown")
+        for page in self._tree.clear():
+            self._storage.settle(page)
+        self._storage.close()
+        self._levels = []
+        self._closed = True
+
+    def _refuse_with_open_caches(self, operation: str) -> None:
+        if self._living:
+            raise LogicError(
+                f"{operation}() with {len(self._living)} KV cache(s) still open; close them first"
+            )
