@@ -14,6 +14,7 @@ python3 -m pip install --quiet --disable-pip-version-check gguf accelerate
 python3 -m ruff check .
 python3 -m ruff format --check .
 python3 -m mypy
+python3 scripts/build_docs.py --out build/docs
 
 export KVPOOL_DEBUG=1
 status=0

@@ -1,4 +1,4 @@
-"""Configuration dataclasses (DESIGN section 4) and their validation.
+"""Configuration dataclasses and their validation.
 
 `KVCacheManagerConfig.validate()` checks everything a manager relies on before any memory is
 touched; each error names the offending field (as a path such as ``layers[2].buffers[0].size``),

@@ -318,16 +318,28 @@ class Run:
             return
         assert cache.capacity == start + len(new) and cache.history_length == start
         self.engine.write(cache, new, start)
-        outcome = self._expect_no_change(lambda: cache.commit(new), RuntimeError, ValueError)
-        if isinstance(outcome, BaseException):
-            assert request.callback == "flaky", outcome
-            # The commit changed nothing: commit again without the failing callback.
-            cache._priority_callback = None
-            cache.commit(new)
-            cache._priority_callback = self._callback("flaky")
+        if not self._call_with_callback(request, lambda: cache.commit(new)):
+            return  # an injected interrupt: nothing was committed; the next step redoes it
         assert cache.num_committed_tokens == cache.history_length == start + len(new)
         self._publish(request)
         self.stats["tokens computed"] += len(new)
+
+    def _call_with_callback(self, request: Request, call: Callable[[], Any]) -> bool:
+        """Run a call that may invoke the request's priority callback: if the (flaky) callback
+        fails, nothing may have changed, and the call is made again without it. False when an
+        injected fault interrupted the call (which then changed nothing of the request)."""
+        failed, outcome = self._storage_failure(
+            lambda: self._expect_no_change(call, RuntimeError, ValueError)
+        )
+        if failed:
+            return False
+        if isinstance(outcome, BaseException):
+            assert request.callback == "flaky", outcome
+            callback, request.cache._priority_callback = request.cache._priority_callback, None
+            with self.faults.paused():
+                call()
+            request.cache._priority_callback = callback
+        return True
 
     def op_grow(self, index: int, extra: int) -> None:
         """Reserve capacity ahead of the history (or give some back, with a negative extra)."""
@@ -344,22 +356,13 @@ class Run:
 
     def op_stop(self, index: int) -> None:
         request = self._live(index)
-        if request is None:
-            return
-        outcome = self._expect_no_change(request.cache.stop_committing, RuntimeError, ValueError)
-        if isinstance(outcome, BaseException):
-            request.cache._priority_callback = None
-            request.cache.stop_committing()
-        self._publish(request)
+        if request is not None and self._call_with_callback(request, request.cache.stop_committing):
+            self._publish(request)
 
     def op_close(self, index: int) -> None:
         request = self._live(index)
-        if request is None:
+        if request is None or not self._call_with_callback(request, request.cache.close):
             return
-        outcome = self._expect_no_change(request.cache.close, RuntimeError, ValueError)
-        if isinstance(outcome, BaseException):
-            request.cache._priority_callback = None
-            request.cache.close()
         assert request.cache.status is KVCacheStatus.CLOSED
         self._publish(request)
         self.stats["closes"] += 1

@@ -1,4 +1,4 @@
-"""The data-verifying engine (DESIGN section 5): a stand-in for model compute that proves no KV
+"""The data-verifying engine: a stand-in for model compute that proves no KV
 was lost or mixed up.
 
 For every token it "computes" it writes a record (token, position, layer, role) into that token's

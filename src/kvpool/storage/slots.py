@@ -1,4 +1,4 @@
-"""SlotAllocator: hands out the slot ids of one pool group at one level (DESIGN section 3).
+"""SlotAllocator: hands out the slot ids of one pool group at one level (docs/architecture.md).
 
 Fresh ids are issued sequentially, so `num_active_slots` is a high-water mark: ids below it are
 occupied, recycled (free, FIFO), waiting (free, but its last use, e.g. a copy, may still run) or
