@@ -319,7 +319,11 @@ class Run:
         assert cache.capacity == start + len(new) and cache.history_length == start
         self.engine.write(cache, new, start)
         if not self._call_with_callback(request, lambda: cache.commit(new)):
-            return  # an injected interrupt: nothing was committed; the next step redoes it
+            # An injected interrupt: nothing was committed, the next step redoes it. An engine's
+            # recurrent state is back at the committed tokens then (it kept a copy).
+            if start:
+                self.engine.write_state(cache, request.tokens[start - 1], start)
+            return
         assert cache.num_committed_tokens == cache.history_length == start + len(new)
         self._publish(request)
         self.stats["tokens computed"] += len(new)
