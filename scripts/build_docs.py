@@ -24,7 +24,9 @@ def modules() -> list[str]:
     """Every kvpool module, once: a package without `__all__` documents its submodules itself,
     so those are not listed again."""
     names = ["kvpool"] + [
-        info.name for info in pkgutil.walk_packages(kvpool.__path__, prefix="kvpool.")
+        info.name
+        for info in pkgutil.walk_packages(kvpool.__path__, prefix="kvpool.")
+        if not info.name.endswith(".__main__")  # runs the command when imported
     ]
     walked_by = {
         name

@@ -213,7 +213,8 @@ def test_cli_replay_writes_json_and_plot(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "cache-hit tokens" in printed and "manager time per step" in printed
     data = json.loads(out_json.read_text())
-    assert data["requests"] == 40 and 0 <= data["hit_rate"] <= 1 and "occupancy" in data
+    report = data["report"]
+    assert report["requests"] == 40 and 0 <= report["hit_rate"] <= 1 and "occupancy" in report
     png = out_png.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     from matplotlib import image

@@ -142,6 +142,14 @@ class KVLayout:
     def num_pool_groups(self) -> int:
         return len(self.pool_groups)
 
+    def pool_group_names(self) -> list[str]:
+        """What each pool group holds, e.g. `sliding window 512 + 1 sink blocks`, `full
+        attention`, `ssm state` (joined with `, ` where one group holds several life cycles)."""
+        return [
+            ", ".join(str(self.life_cycles[g]) for g in group.layer_groups)
+            for group in self.pool_groups
+        ]
+
     def min_slots(self) -> list[int]:
         """Per pool group, the fewest slots with which one request can always make progress.
 

@@ -37,7 +37,8 @@ class AttentionLifeCycle:
     def __str__(self) -> str:
         if self.window is None:
             return "full attention"
-        return f"sliding window {self.window} ({self.num_sink_blocks} sink blocks)"
+        sinks = f" + {self.num_sink_blocks} sink blocks" if self.num_sink_blocks else ""
+        return f"sliding window {self.window}{sinks}"
 
 
 @dataclass(frozen=True)

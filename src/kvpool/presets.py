@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.config import AttentionLayerConfig, BufferConfig, LayerConfig
+from kvpool.validation import check_int, fail
 
 
 @dataclass(frozen=True)
@@ -96,31 +97,80 @@ class HfShape:
         ]
 
 
-def hf_shape(config: dict[str, Any]) -> HfShape:
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+"""The transformers `layer_types` kvpool lays out (value: whether the layer has the window)."""
+
+
+def hf_shape(config: object) -> HfShape:
     """Layers, heads, KV heads, head dim and per-layer sliding windows of a transformers config
     dict (Mistral `sliding_window`; Gemma `layer_types` or `sliding_window_pattern`; Qwen2
-    `use_sliding_window` / `max_window_layers`). KeyError/ValueError/TypeError if malformed."""
-    config = config.get("text_config", config)  # multimodal wrappers
-    num_layers = int(config["num_hidden_layers"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    return HfShape(num_layers, heads, kv_heads, head_dim, tuple(_windows(config, num_layers)))
+    `use_sliding_window` / `max_window_layers`). Anything missing, malformed or inconsistent
+    raises `ArgumentError` naming the field and its value."""
+    if not isinstance(config, dict):
+        fail("config", type(config).__name__, "a JSON object (a transformers config.json)")
+    text = config.get("text_config", config)  # multimodal wrappers
+    if not isinstance(text, dict):
+        fail("text_config", text, "a JSON object")
+    num_layers = _positive(text, "num_hidden_layers")
+    heads = _positive(text, "num_attention_heads")
+    kv_heads = _positive(text, "num_key_value_heads", default=heads)
+    if heads % kv_heads:
+        fail("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}")
+    if text.get("head_dim") is not None:
+        head_dim = _positive(text, "head_dim")
+    else:
+        hidden = _positive(text, "hidden_size")
+        if hidden % heads:
+            fail(
+                "hidden_size",
+                hidden,
+                f"a multiple of num_attention_heads={heads} (or set head_dim)",
+            )
+        head_dim = hidden // heads
+    return HfShape(num_layers, heads, kv_heads, head_dim, tuple(_windows(text, num_layers)))
+
+
+def _positive(config: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = config.get(name, default)
+    if value is None and default is not None:
+        value = default
+    if value is None:
+        fail(name, "missing", "an integer >= 1")
+    return check_int(name, value, 1)
 
 
 def _windows(config: dict[str, Any], num_layers: int) -> list[int | None]:
     window = config.get("sliding_window")
-    if not isinstance(window, int) or window <= 0:
+    if window is None:
+        types = config.get("layer_types")
+        if isinstance(types, list) and any(LAYER_TYPES.get(t) for t in types):
+            fail("sliding_window", window, "an integer >= 1 when layer_types has sliding layers")
         return [None] * num_layers
+    check_int("sliding_window", window, 1)
     types = config.get("layer_types")
-    if isinstance(types, list) and len(types) == num_layers:
-        return [window if kind == "sliding_attention" else None for kind in types]
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers:
+            count = len(types) if isinstance(types, list) else type(types).__name__
+            fail(
+                "layer_types",
+                f"<{count} entries>",
+                f"a list of one entry per layer (num_hidden_layers={num_layers})",
+            )
+        for i, kind in enumerate(types):
+            if kind not in LAYER_TYPES:
+                fail(f"layer_types[{i}]", kind, f"one of {sorted(LAYER_TYPES)}")
+        return [window if LAYER_TYPES[kind] else None for kind in types]
     pattern = config.get("sliding_window_pattern")
-    if isinstance(pattern, int) and pattern > 0:  # every pattern-th layer is global
+    if pattern is not None:  # every pattern-th layer is global
+        check_int("sliding_window_pattern", pattern, 1)
         return [None if (i + 1) % pattern == 0 else window for i in range(num_layers)]
-    if config.get("use_sliding_window") is False:
+    use = config.get("use_sliding_window")
+    if use is not None and not isinstance(use, bool):
+        fail("use_sliding_window", use, "true or false")
+    if use is False:
         return [None] * num_layers
-    first_windowed = config.get("max_window_layers") if config.get("use_sliding_window") else None
-    if isinstance(first_windowed, int):  # Qwen2: layers from max_window_layers on use the window
+    first_windowed = config.get("max_window_layers") if use else None
+    if first_windowed is not None:  # Qwen2: layers from max_window_layers on use the window
+        check_int("max_window_layers", first_windowed, 0, num_layers)
         return [window if i >= first_windowed else None for i in range(num_layers)]
     return [window] * num_layers

@@ -1,4 +1,8 @@
-"""Eviction policies for replays, expressed through the manager's public priority hooks."""
+"""Eviction policies for replays, expressed through the manager's public priority hooks.
+
+`lru` is the manager's own order: lowest priority first, then least recently released (every
+block gets the default priority). More policies come with the eviction-policy work; a name is
+offered only when it changes behaviour."""
 
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ class EvictionPolicy:
         """Called when a request was created with a reused prefix."""
 
 
-POLICIES = {"lru": EvictionPolicy("lru"), "default": EvictionPolicy("default")}
+POLICIES = {"lru": EvictionPolicy("lru")}
+"""The policies a replay can use, by name (only those that behave differently are offered)."""
 
 
 def policy_for(policy: str | EvictionPolicy) -> EvictionPolicy:

@@ -11,7 +11,7 @@ and closed, so its blocks stay cached until eviction pushes them out.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.config import (
@@ -34,6 +34,7 @@ class PrefixCacheResult:
     measured_tokens: int
     hit_tokens: int
     requests: int
+    partial: bool = False  # stopped early
 
     @property
     def hit_rate(self) -> float:
@@ -65,15 +66,24 @@ def prefix_cache_hit_rate(
     capacity_blocks: int,
     policy: str | EvictionPolicy = "lru",
     warmup_fraction: float = 0.5,
+    progress: Callable[[int, int], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> PrefixCacheResult:
-    """Replay `requests` through a manager of exactly `capacity_blocks` 512-token blocks."""
+    """Replay `requests` through a manager of exactly `capacity_blocks` 512-token blocks
+    (stopping early, with a partial result, when `should_stop()` turns true)."""
     chosen = policy_for(policy)
     manager = KVCacheManager(exact_block_config(capacity_blocks))
     assert manager.get_slot_counts(0) == [capacity_blocks]
     warmup = int(len(requests) * warmup_fraction)
     measured = hits = 0
+    partial = False
     try:
         for index, request in enumerate(requests):
+            if should_stop is not None and should_stop():
+                partial = True
+                break
+            if progress is not None and index % 256 == 0:
+                progress(index, len(requests))
             prompt = request.tokens()
             cache = manager.create_kv_cache(None, prompt, priority_callback=chosen.priority)
             reused = cache.num_committed_tokens
@@ -88,4 +98,6 @@ def prefix_cache_hit_rate(
     finally:
         manager.shutdown()
     name = policy if isinstance(policy, str) else chosen.name
-    return PrefixCacheResult(capacity_blocks, name, measured, hits, len(requests) - warmup)
+    return PrefixCacheResult(
+        capacity_blocks, name, measured, hits, max(0, len(requests) - warmup), partial
+    )

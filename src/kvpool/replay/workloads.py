@@ -11,6 +11,7 @@ import csv
 import json
 import os
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -55,7 +56,7 @@ def load_mooncake(path: str | os.PathLike[str], limit: int | None = None) -> lis
     """Mooncake JSONL: timestamp (ms), input_length, output_length, hash_ids (512-token blocks)."""
     requests: list[Request] = []
     with _open(path) as lines:
-        for number, line in enumerate(lines, 1):
+        for number, line in _numbered(path, lines):
             if limit is not None and len(requests) >= limit:
                 break
             if not line.strip():
@@ -86,7 +87,7 @@ def load_azure(
     requests: list[Request] = []
     start: datetime | None = None
     with _open(path) as lines:
-        reader = csv.reader(lines)
+        reader = csv.reader(line for _, line in _numbered(path, lines))
         header = next(reader, None)
         if header is None or [h.strip() for h in header[:3]] != [
             "TIMESTAMP",
@@ -114,6 +115,23 @@ def _open(path: str | os.PathLike[str]):  # type: ignore[no-untyped-def]
     if not os.path.isfile(path):
         raise TraceError(f"trace={os.fspath(path)!r} is invalid: no such file")
     return open(path, encoding="utf-8", newline="")
+
+
+def _numbered(path: str | os.PathLike[str], lines: Iterable[str]) -> Iterator[tuple[int, str]]:
+    """(line number, line), with undecodable bytes a `TraceError` naming the line."""
+    number = 0
+    iterator = iter(lines)
+    while True:
+        number += 1
+        try:
+            line = next(iterator)
+        except StopIteration:
+            return
+        except UnicodeDecodeError:
+            raise TraceError(
+                f"{os.fspath(path)}:{number}: not a text trace (the bytes are not UTF-8)"
+            ) from None
+        yield number, line
 
 
 def _zipf(rng: random.Random, n: int, exponent: float) -> int:

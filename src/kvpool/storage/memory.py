@@ -104,8 +104,8 @@ def _reserve(size: int) -> mmap.mmap:
         )
         raise StorageError(
             errno.ENOMEM,
-            f"cannot reserve {size} bytes ({size / 2**30:.1f} GiB) of host memory: {error}; "
-            f"available: {shown}",
+            f"cannot reserve {size} bytes ({size / 2**30:.1f} GiB) of host memory "
+            f"({os.strerror(errno.ENOMEM)}); available: {shown}",
         ) from error
 
 

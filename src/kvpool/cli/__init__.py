@@ -1,0 +1,275 @@
+"""The `kvpool` command: `kvpool info` and `kvpool replay`.
+
+Every user error is one line, `kvpool: error: ...`, with exit status 2, raised before any work is
+done; Ctrl-C during a replay stops it cleanly (a partial report, exit status 130). The library
+prints nothing itself: it logs to the `kvpool` logger, which `--verbose`/`--quiet` tune.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from kvpool import __version__
+from kvpool.cli.arguments import (
+    check_disk_directory,
+    check_output_file,
+    int_at_least,
+    joined_negative_sizes,
+    non_negative_number,
+    parse_bytes,
+)
+from kvpool.cli.info import DEFAULT_MODEL, in_flag_terms, info_command, tiers_of
+from kvpool.cli.replay import INTERRUPTED, replay_command
+from kvpool.errors import KVPoolError
+from kvpool.presets import PRESETS
+from kvpool.replay.policy import POLICIES
+
+__all__ = ["build_parser", "main", "parse_bytes"]
+
+
+class Parser(argparse.ArgumentParser):
+    """Errors in one line, `kvpool: error: ...` (status 2), with no usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kvpool: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default where it has one (not for switches and unset options)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            action.default not in (None, False, True, argparse.SUPPRESS)
+            and "%(default)" not in text
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model layout")
+    group.add_argument(
+        "--model", choices=sorted(PRESETS), help=f"a preset (default: {DEFAULT_MODEL})"
+    )
+    group.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="a Hugging Face config.json (or a model directory holding one) instead of --model",
+    )
+    group.add_argument(
+        "--tokens-per-block", type=int_at_least(1), default=32, metavar="N", help="block size"
+    )
+
+
+def _memory_flags(parser: argparse.ArgumentParser, gpu: str, host: str) -> None:
+    group = parser.add_argument_group(
+        "memory (sizes: 4096, 512MiB or 512M binary, 512MB decimal; 0 = no such level)"
+    )
+    group.add_argument(
+        "--gpu",
+        "--gpu-quota",
+        type=parse_bytes,
+        default=gpu,
+        metavar="SIZE",
+        help="GPU level quota",
+    )
+    group.add_argument(
+        "--host",
+        "--host-quota",
+        type=parse_bytes,
+        default=host,
+        metavar="SIZE",
+        help="host level quota",
+    )
+    group.add_argument(
+        "--disk", type=parse_bytes, default="0", metavar="SIZE", help="disk level quota"
+    )
+    group.add_argument(
+        "--disk-path",
+        metavar="DIR",
+        help="directory of the disk level's file (needs --disk; default: the temp directory)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = HelpFormatter
+    parser = Parser(prog="kvpool", description="A paged, tiered KV-cache manager.")
+    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only the report and errors")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    info_parser = commands.add_parser(
+        "info",
+        help="print how a model's layers map to pool groups and slots",
+        formatter_class=formatter,
+    )
+    _model_flags(info_parser)
+    _memory_flags(info_parser, gpu="1GiB", host="0")
+    info_parser.set_defaults(run=info_command)
+
+    replay_parser = commands.add_parser(
+        "replay",
+        help="replay a serving trace (or a synthetic workload) through the manager",
+        formatter_class=formatter,
+        description="Replay requests through a real KVCacheManager with a continuous-batching "
+        "scheduler (no model compute) and report cache hits, latency in simulated time, "
+        "concurrency, tier traffic and rebalancing. Without a trace, a seeded synthetic "
+        "multi-turn chat workload is used. Ctrl-C stops early with a partial report.",
+    )
+    workload = replay_parser.add_argument_group("workload")
+    workload.add_argument("trace", nargs="?", help="a Mooncake .jsonl or Azure .csv trace")
+    workload.add_argument(
+        "--format", choices=["auto", "mooncake", "azure"], default="auto", help="trace format"
+    )
+    workload.add_argument(
+        "--synthetic",
+        choices=["conversations", "system-prompts"],
+        help="a seeded synthetic workload (the default without a trace: conversations)",
+    )
+    workload.add_argument(
+        "--requests",
+        type=int_at_least(1),
+        metavar="N",
+        help="replay the first N requests (default: all of a trace; 240 conversation turns or "
+        "400 system-prompt requests)",
+    )
+    workload.add_argument("--seed", type=int_at_least(0), default=0, help="synthetic workload seed")
+    _model_flags(replay_parser)
+    _memory_flags(replay_parser, gpu="512MiB", host="2GiB")
+    scheduler = replay_parser.add_argument_group("scheduler")
+    scheduler.add_argument(
+        "--max-batch",
+        type=int_at_least(1),
+        default=64,
+        metavar="N",
+        help="requests per engine step",
+    )
+    scheduler.add_argument(
+        "--prefill-chunk",
+        type=int_at_least(1),
+        default=2048,
+        metavar="N",
+        help="prompt tokens per request per engine step",
+    )
+    scheduler.add_argument(
+        "--step-ms",
+        type=non_negative_number,
+        default=20.0,
+        metavar="MS",
+        help="simulated time of one engine step",
+    )
+    scheduler.add_argument("--asap", action="store_true", help="ignore arrival times")
+    scheduler.add_argument(
+        "--policy", choices=sorted(POLICIES), default="lru", help="eviction policy"
+    )
+    scheduler.add_argument(
+        "--no-rebalance", action="store_true", help="never move memory between pool groups"
+    )
+    scheduler.add_argument(
+        "--rebalance-min-samples",
+        type=int_at_least(0),
+        default=40,
+        metavar="N",
+        help="closed requests before the first rebalance",
+    )
+    replay_parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="write and check every KV record (slow; proves no KV was corrupted)",
+    )
+    replay_parser.add_argument(
+        "--capacity-blocks",
+        type=int_at_least(1),
+        nargs="+",
+        metavar="N",
+        help="prefix-cache mode: hit rates at these cache sizes (512-token blocks)",
+    )
+    output = replay_parser.add_argument_group("output")
+    output.add_argument(
+        "--json", metavar="FILE", help="write the setup and every figure to this JSON file"
+    )
+    output.add_argument(
+        "--plot", metavar="FILE", help="write the plot to this .png, .pdf or .svg file"
+    )
+    output.add_argument("--explain", action="store_true", help="explain the report's terms")
+    output.add_argument(
+        "--no-progress", dest="progress", action="store_false", help="no progress bar"
+    )
+    replay_parser.set_defaults(run=replay_command)
+    return parser
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks across flags and of the files, before any work (argparse's one-line errors)."""
+    try:
+        if args.hf_config and args.model:
+            parser.error("--model and --hf-config: give one layout, not both")
+        if args.disk_path is not None and not args.disk:
+            parser.error("--disk-path needs --disk SIZE (a disk level); give both or neither")
+        if args.disk:
+            check_disk_directory(args.disk_path or _default_disk_path())
+        if args.command == "replay":
+            if args.trace and args.synthetic:
+                parser.error("a trace and --synthetic: replay one workload, not both")
+            if args.capacity_blocks and (args.verify or args.hf_config):
+                parser.error(
+                    "--capacity-blocks (prefix-cache mode) takes no --verify or --hf-config"
+                )
+            check_output_file("--json", args.json, (".json",))
+            check_output_file("--plot", args.plot, (".png", ".pdf", ".svg"))
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
+
+
+def _default_disk_path() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+def configure_logging(level: int) -> None:
+    """The `kvpool` logger (the library's only output) to standard error, at `level`."""
+    logger = logging.getLogger("kvpool")
+    for handler in [h for h in logger.handlers if getattr(h, "kvpool_cli", False)]:
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("kvpool: %(levelname)s: %(message)s"))
+    handler.kvpool_cli = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(joined_negative_sizes(sys.argv[1:] if argv is None else argv))
+    if args.disk and args.disk_path is None:
+        args.disk_path = _default_disk_path()
+    _check(parser, args)
+    if not args.hf_config and not args.model:
+        args.model = DEFAULT_MODEL
+    configure_logging(
+        logging.INFO if args.verbose else logging.ERROR if args.quiet else logging.WARNING
+    )
+    if args.quiet and hasattr(args, "progress"):
+        args.progress = False
+    try:
+        status: int = args.run(args)
+    except KVPoolError as error:
+        error = in_flag_terms(error, tiers_of(args))  # name the flag, not the config field
+        message = error.strerror if isinstance(error, OSError) and error.strerror else error
+        print(f"kvpool: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvpool: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
