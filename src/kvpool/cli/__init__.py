@@ -22,6 +22,7 @@ from kvpool.cli.arguments import (
     non_negative_number,
     parse_bytes,
 )
+from kvpool.cli.generate import add_generate_parser
 from kvpool.cli.info import DEFAULT_MODEL, in_flag_terms, info_command, tiers_of
 from kvpool.cli.replay import INTERRUPTED, replay_command
 from kvpool.errors import KVPoolError
@@ -202,13 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
     )
     replay_parser.set_defaults(run=replay_command)
+    add_generate_parser(commands, formatter, _memory_flags)
     return parser
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks across flags and of the files, before any work (argparse's one-line errors)."""
     try:
-        if args.hf_config and args.model:
+        if getattr(args, "hf_config", None) and getattr(args, "model", None):
             parser.error("--model and --hf-config: give one layout, not both")
         if args.disk_path is not None and not args.disk:
             parser.error("--disk-path needs --disk SIZE (a disk level); give both or neither")
@@ -251,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.disk and args.disk_path is None:
         args.disk_path = _default_disk_path()
     _check(parser, args)
-    if not args.hf_config and not args.model:
+    if hasattr(args, "model") and not args.hf_config and not args.model:
         args.model = DEFAULT_MODEL
     configure_logging(
         logging.INFO if args.verbose else logging.ERROR if args.quiet else logging.WARNING

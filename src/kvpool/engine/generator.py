@@ -16,6 +16,7 @@ import torch
 
 from kvpool.cache import KVCache
 from kvpool.engine.model import PagedDecoder
+from kvpool.errors import ArgumentError
 
 
 @dataclass
@@ -41,7 +42,31 @@ class Generator:
         self.suspensions = 0
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]:
+        """Greedy continuations of `prompts`, `max_new_tokens` each. If anything raises (the
+        model, the manager, Ctrl-C), every request opened here is closed before the error
+        propagates: the manager keeps only reusable committed blocks."""
+        if max_new_tokens < 1:
+            raise ArgumentError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+        vocab = self.decoder.vocab_size
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ArgumentError(f"prompts[{i}] is empty: a prompt needs at least one token")
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ArgumentError(
+                    f"prompts[{i}] holds token id {bad}, outside the vocabulary [0, {vocab})"
+                )
         results = [Generation(list(prompt)) for prompt in prompts]
+        try:
+            self._run(results, max_new_tokens)
+        except BaseException:
+            for result in results:
+                if result.cache is not None:
+                    result.cache.close()
+            raise
+        return results
+
+    def _run(self, results: list[Generation], max_new_tokens: int) -> None:
         waiting = list(range(len(results)))
         running: list[int] = []
         suspended: list[int] = []
@@ -92,7 +117,6 @@ class Generator:
                 progressed = True
             if not progressed and suspended and not running:
                 raise RuntimeError("the GPU level cannot hold a single request of this batch")
-        return results
 
     def _room_to_grow(self) -> bool:
         """Whether every GPU pool group can still give a running request a new block."""
@@ -102,10 +126,11 @@ class Generator:
         prompt = result.prompt
         cache = self.manager.create_kv_cache(None, prompt[:-1])
         reused = cache.num_committed_tokens
+        result.cache, result.cached_tokens = cache, reused
         if not cache.resume() or not cache.resize(len(prompt)):
             cache.close()
+            result.cache = None
             return False
-        result.cache, result.cached_tokens = cache, reused
         self._emit(result, self.decoder.forward(cache, prompt[reused:]))
         cache.commit(prompt[reused:])
         return True

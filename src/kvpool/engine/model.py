@@ -1,8 +1,10 @@
-"""A Llama/Mistral/Qwen2-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) in plain
-torch, with paged attention over kvpool's pools: no KV lives anywhere but in kvpool's memory.
+"""A decoder-only transformer in plain torch (the Llama, Mistral, Qwen2/3 and Gemma 1/2/3
+families, see `spec.py`) with paged attention over kvpool's pools: no KV lives anywhere but in
+kvpool's memory, in the model's dtype (float32, bfloat16 or float16 pages).
 
-Weights load from a transformers model's state dict (same names), so a check against
-transformers uses identical weights.
+Weights load from a transformers model's state dict (same names), and each operation follows
+transformers' eager implementation (norms in float32, softmax in float32, RoPE cos/sin computed in
+float32), so a check against transformers compares like with like.
 """
 
 from __future__ import annotations
@@ -13,11 +15,10 @@ import numpy as np
 import torch
 
 from kvpool.cache import KVCache
-from kvpool.config import (
-    CacheTierConfig,
-    GpuCacheTierConfig,
-    KVCacheManagerConfig,
-)
+from kvpool.config import CacheTierConfig, GpuCacheTierConfig, KVCacheManagerConfig
+from kvpool.engine.rope import Rotary, rotate
+from kvpool.engine.spec import ModelSpec, config_dict, config_dtype, model_spec
+from kvpool.errors import ArgumentError
 from kvpool.manager import KVCacheManager
 from kvpool.presets import hf_shape
 
@@ -29,42 +30,74 @@ def manager_config_from_hf(
     tokens_per_block: int,
     gpu_quota: int,
     more_tiers: list[CacheTierConfig] | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     **options: Any,
 ) -> KVCacheManagerConfig:
     """A manager config for a transformers config: K and V buffers per layer (KV heads x head
-    dim x dtype x tokens per block) with the model's sliding windows."""
-    data = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    dim x the dtype's bytes x tokens per block) with the model's sliding windows. `dtype`
+    defaults to the config's (float32 when it names none)."""
+    data = config_dict(hf_config)
+    dtype = dtype or config_dtype(data)
+    if dtype not in _DTYPE_BYTES:
+        raise ArgumentError(f"dtype={dtype!r} is invalid: must be one of {list(_DTYPE_BYTES)}")
     configs = hf_shape(data).layers(tokens_per_block, _DTYPE_BYTES[dtype])
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_quota), *(more_tiers or [])]
     return KVCacheManagerConfig(tokens_per_block, tiers, configs, **options)
+
+
+def _activation(name: str) -> Any:
+    if name in ("silu", "swish"):
+        return torch.nn.functional.silu
+    if name == "gelu":
+        return torch.nn.functional.gelu
+    if name == "relu":
+        return torch.relu
+    if name == "gelu_fast":
+        return lambda x: 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+    return lambda x: torch.nn.functional.gelu(x, approximate="tanh")  # gelu_new, _pytorch_tanh
 
 
 class PagedDecoder:
     """Forward passes of one decoder whose KV cache is a kvpool manager."""
 
     def __init__(
-        self, hf_config: Any, state_dict: dict[str, torch.Tensor], manager: KVCacheManager
+        self,
+        hf_config: Any,
+        state_dict: dict[str, torch.Tensor],
+        manager: KVCacheManager,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        data = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        """`dtype` (default: the config's, else float32) is the compute and KV dtype; the
+        manager's buffers must be sized for it (`manager_config_from_hf` with the same dtype)."""
+        spec = model_spec(hf_config, dtype)
+        self.spec: ModelSpec = spec
         self.manager = manager
-        shape = hf_shape(data)
-        self.num_layers, self.heads = shape.num_layers, shape.num_heads
-        self.kv_heads, self.head_dim = shape.num_kv_heads, shape.head_dim
-        self.windows = list(shape.windows)
-        self.eps = float(data.get("rms_norm_eps", 1e-6))
-        theta = float(
-            data.get("rope_theta") or (data.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        )
-        self.weights = {
-            name: tensor.detach().to(torch.float32) for name, tensor in state_dict.items()
-        }
+        self.dtype = spec.dtype
+        self.tpb = manager.tokens_per_block
+        self._check_buffers(manager)
+        self.weights = {name: tensor.detach().to(self.dtype) for name, tensor in state_dict.items()}
         if "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.weights["model.embed_tokens.weight"]
-        self.inv_freq = 1.0 / (
-            theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim)
-        )
-        self.tpb = manager.tokens_per_block
+        self.vocab_size = int(self.weights["model.embed_tokens.weight"].shape[0])
+        self.act = _activation(spec.activation)
+        rotaries: dict[Any, Rotary] = {}
+        for params in spec.ropes:  # one rotary per distinct parameter set, shared by its layers
+            if params not in rotaries:
+                rotaries[params] = Rotary(params)
+        self.rotary = [rotaries[params] for params in spec.ropes]
+
+    def _check_buffers(self, manager: KVCacheManager) -> None:
+        spec = self.spec
+        expected = spec.kv_heads * spec.head_dim * _DTYPE_BYTES[self.dtype] * self.tpb
+        for layer in range(spec.num_layers):
+            for role in ("k", "v"):
+                size = manager.layout.placement(layer, role).size
+                if size != expected:
+                    raise ArgumentError(
+                        f"dtype={self.dtype} is invalid for this manager: its ({layer}, {role!r}) "
+                        f"buffers hold {size} bytes per block, {self.dtype} needs {expected} "
+                        "(build the manager with manager_config_from_hf(..., dtype=) the same dtype)"
+                    )
 
     # -- building blocks -------------------------------------------------------------------------
 
@@ -77,56 +110,73 @@ class PagedDecoder:
         return out + bias if bias is not None else out
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self._w(name + ".weight") * (x * torch.rsqrt(variance + self.eps))
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]."""
-        freqs = positions[:, None].to(torch.float32) * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        """RMSNorm as transformers computes it (in float32; Gemma scales by 1 + weight)."""
+        hidden = x.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps)
+        weight = self._w(name + ".weight")
+        if self.spec.norm_plus_one:
+            return (hidden * (1.0 + weight.to(torch.float32))).to(x.dtype)
+        return weight * hidden.to(x.dtype)
 
     def _pages(self, layer: int, role: str) -> torch.Tensor:
-        """The layer's K or V pool as [rows, tokens per block, kv heads, head dim]."""
+        """The layer's K or V pool as [rows, tokens per block, kv heads, head dim] of the dtype."""
         view = self.manager.page_view(layer, role)
         tensor = view if isinstance(view, torch.Tensor) else torch.from_numpy(np.asarray(view))
-        return tensor.view(torch.float32).view(-1, self.tpb, self.kv_heads, self.head_dim)
+        spec = self.spec
+        return tensor.view(self.dtype).view(-1, self.tpb, spec.kv_heads, spec.head_dim)
 
     # -- forward ---------------------------------------------------------------------------------
 
     @torch.no_grad()
     def forward(self, cache: KVCache, tokens: list[int]) -> torch.Tensor:
         """Compute `tokens` at positions history_length... of `cache` (whose capacity covers
-        them): writes their K/V into the request's pages and returns logits [len(tokens), vocab]."""
+        them): writes their K/V into the request's pages and returns logits [len(tokens), vocab]
+        in float32."""
+        if len(tokens) == 0:
+            raise ArgumentError("tokens is empty: forward computes at least one token")
+        spec = self.spec
         start = cache.history_length
         positions = torch.arange(start, start + len(tokens))
-        x = self._w("model.embed_tokens.weight")[torch.tensor(tokens)]
-        for layer in range(self.num_layers):
+        for rotary in set(self.rotary):
+            rotary.update(start + len(tokens))
+        x = self._w("model.embed_tokens.weight")[torch.tensor(tokens, dtype=torch.long)]
+        if spec.embed_scale is not None:
+            x = x * torch.tensor(spec.embed_scale).to(self.dtype)
+        for layer in range(spec.num_layers):
             prefix = f"model.layers.{layer}."
             h = self._norm(x, prefix + "input_layernorm")
-            x = x + self._attention(cache, layer, h, positions)
-            h = self._norm(x, prefix + "post_attention_layernorm")
-            gate = self._linear(h, prefix + "mlp.gate_proj")
-            up = self._linear(h, prefix + "mlp.up_proj")
-            x = x + self._linear(torch.nn.functional.silu(gate) * up, prefix + "mlp.down_proj")
+            h = self._attention(cache, layer, h, positions)
+            if spec.sandwich_norms:
+                x = x + self._norm(h, prefix + "post_attention_layernorm")
+                h = self._norm(x, prefix + "pre_feedforward_layernorm")
+                x = x + self._norm(self._mlp(h, prefix), prefix + "post_feedforward_layernorm")
+            else:
+                x = x + h
+                x = x + self._mlp(self._norm(x, prefix + "post_attention_layernorm"), prefix)
         x = self._norm(x, "model.norm")
-        return x @ self._w("lm_head.weight").T
+        logits = x @ self._w("lm_head.weight").T
+        if spec.final_softcap is not None:
+            logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
+        return logits.to(torch.float32)
+
+    def _mlp(self, h: torch.Tensor, prefix: str) -> torch.Tensor:
+        gate = self._linear(h, prefix + "mlp.gate_proj")
+        up = self._linear(h, prefix + "mlp.up_proj")
+        return self._linear(self.act(gate) * up, prefix + "mlp.down_proj")
 
     def _attention(
         self, cache: KVCache, layer: int, h: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
+        spec = self.spec
         prefix = f"model.layers.{layer}.self_attn."
         n = h.shape[0]
-        q = self._rope(
-            self._linear(h, prefix + "q_proj").view(n, self.heads, self.head_dim), positions
-        )
-        k = self._rope(
-            self._linear(h, prefix + "k_proj").view(n, self.kv_heads, self.head_dim), positions
-        )
-        v = self._linear(h, prefix + "v_proj").view(n, self.kv_heads, self.head_dim)
+        q = self._linear(h, prefix + "q_proj").view(n, spec.heads, spec.head_dim)
+        k = self._linear(h, prefix + "k_proj").view(n, spec.kv_heads, spec.head_dim)
+        v = self._linear(h, prefix + "v_proj").view(n, spec.kv_heads, spec.head_dim)
+        if spec.qk_norm:
+            q, k = self._norm(q, prefix + "q_norm"), self._norm(k, prefix + "k_norm")
+        cos, sin = self.rotary[layer].cos_sin(positions, self.dtype)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k_pages, v_pages = self._pages(layer, "k"), self._pages(layer, "v")
         rows = torch.from_numpy(cache.get_page_indices(layer, "k").astype(np.int64))
         v_rows = torch.from_numpy(cache.get_page_indices(layer, "v").astype(np.int64))
@@ -136,18 +186,20 @@ class PagedDecoder:
         # Gather every earlier position that still has a page (a window drops old blocks).
         end = int(positions[-1]) + 1
         seen = torch.arange(end)
-        have = rows[seen // self.tpb] >= 0
-        seen = seen[have]
+        seen = seen[rows[seen // self.tpb] >= 0]
         keys = k_pages[rows[seen // self.tpb], seen % self.tpb]  # [m, kv heads, dim]
         values = v_pages[v_rows[seen // self.tpb], seen % self.tpb]
-        group = self.heads // self.kv_heads
+        group = spec.heads // spec.kv_heads
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, keys) / self.head_dim**0.5
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * spec.attn_scale
+        if spec.attn_softcap is not None:
+            scores = torch.tanh(scores / spec.attn_softcap) * spec.attn_softcap
         allowed = seen[None, :] <= positions[:, None]
-        window = self.windows[layer]
+        window = spec.windows[layer]
         if window is not None:
             allowed &= positions[:, None] - seen[None, :] < window
         scores = scores.masked_fill(~allowed[None], float("-inf"))
-        out = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values).reshape(n, -1)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        out = torch.einsum("hqk,khd->qhd", weights, values).reshape(n, -1)
         return self._linear(out, prefix + "o_proj")

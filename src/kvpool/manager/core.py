@@ -225,7 +225,7 @@ class ManagerCore:
     @property
     def num_moved_pages(self) -> list[int]:
         """Pages that arrived at each level so far (eviction down, bringing up, prefetch)."""
-        return self._storage.num_moved
+        return list(self._storage.num_moved)
 
     def _after_call(self) -> None:
         if _debug.DEBUG:
