@@ -6,7 +6,6 @@ import pytest
 
 from kvpool import ReuseScope
 from kvpool.errors import ArgumentError
-from kvpool.eviction import EvictionQueue
 from kvpool.layout import KVLayout
 from kvpool.radix import RadixTree
 from kvpool.records import Page
@@ -141,6 +140,51 @@ def test_pruning_empties_the_scope_root():
     assert tree.roots == {}
 
 
+@pytest.mark.parametrize("scope", [None, ReuseScope(salt="user-7"), ReuseScope(lora_id=2**64 - 1)])
+def test_dropping_a_chain_leaf_first_empties_the_tree_and_its_scope_root(scope):
+    """The LRU's usual order (leaf first): each drop removes its block, and the last one the
+    scope's root, so per-user salts do not leave roots behind."""
+    layout = KVLayout([kv_layer(0)], 16)
+    tree, allocator = RadixTree(layout), SlotAllocator(100)
+    parent = tree.root(root_key(scope))
+    blocks = []
+    for i in range(3):
+        block, _ = insert(tree, parent, tuple(range(i * 16, (i + 1) * 16)))
+        tree.attach(block, make_page(allocator, 0, layout))
+        blocks.append(parent := block)
+    for depth, block in enumerate(reversed(blocks)):
+        assert not tree.remove_page(block[0])
+        assert len(tree.index) == 2 - depth and not block.in_tree
+        assert (tree.roots != {}) == (depth < 2)
+    assert list(tree.blocks()) == []
+
+
+def test_partial_siblings_that_do_not_extend_each_other_both_stay():
+    layout = KVLayout([kv_layer(0)], 16)
+    tree = RadixTree(layout)
+    root = tree.root(root_key(None))
+    short, _ = insert(tree, root, (1, 2, 3, 4))
+    other, orphans = insert(tree, root, (1, 2, 9, 9, 9, 9, 9, 9))  # longer, not an extension
+    assert short is not None and other is not None and not orphans
+    assert set(root.children) == {short, other} and root.num_partial_children == 2
+
+
+def test_insert_chain_replaces_partial_siblings_and_returns_their_pages():
+    layout = KVLayout([kv_layer(0)], 16)
+    tree, allocator = RadixTree(layout), SlotAllocator(100)
+    root = tree.root(root_key(None))
+    first, _ = insert(tree, root, tuple(range(16)))
+    partial, _ = insert(tree, first, tuple(range(16, 20)))
+    page, partial_key = make_page(allocator, 0, layout), partial.key
+    tree.attach(partial, page)
+    tokens = tuple(range(16, 32))
+    blocks, orphans = tree.insert_chain(
+        first, [block_key(first.key, tokens)], [encode_tokens(tokens)]
+    )
+    assert orphans == [page] and page.block is None and partial_key not in tree.index
+    assert first.children == blocks and first.num_partial_children == 0
+
+
 def test_longer_block_replaces_a_partial_sibling():
     layout = KVLayout([kv_layer(0)], 16)
     tree, allocator = RadixTree(layout), SlotAllocator(100)
@@ -167,24 +211,6 @@ def test_clear_removes_everything():
     tree.root(root_key(ReuseScope(1)))  # a childless root
     assert len(tree.clear()) == 3
     assert tree.roots == {} and list(tree.blocks()) == []
-
-
-def test_eviction_queue_orders_by_priority_then_age():
-    layout = KVLayout([kv_layer(0)], 16)
-    allocator, queue = SlotAllocator(10), EvictionQueue()
-    pages = []
-    for priority in (50, 10, 50, 10, 90):
-        page = make_page(allocator, 0, layout)
-        page.priority = priority
-        queue.push(page)
-        pages.append(page)
-    queue.remove(pages[1])
-    extra = make_page(allocator, 0, layout)
-    extra.priority = 50
-    queue.push(extra, evict_first=True)
-    assert list(queue) == [pages[3], extra, pages[0], pages[2], pages[4]]
-    assert [queue.pop() for _ in range(5)] == [pages[3], extra, pages[0], pages[2], pages[4]]
-    assert len(queue) == 0 and not any(p.queued for p in pages)
 
 
 @pytest.mark.parametrize("digest_at", [None, 3, 70, 200])

@@ -198,7 +198,7 @@ def test_eviction_order_is_priority_then_age(manager):
         priorities[index] = priority
         return tokens
 
-    prompts = [run(i, p) for i, p in enumerate([50, 10, 50, 10, 90, 35, 10])]
+    prompts = [run(i, p) for i, p in enumerate([50, 0, 50, 0, 100, 35, 0])]  # 0, 100: valid
     assert [m.probe_reuse(None, p) for p in prompts] == [tpb] * 7
     filler = m.create_kv_cache()
     filler.resume()
@@ -206,9 +206,9 @@ def test_eviction_order_is_priority_then_age(manager):
     def cached():
         return [int(m.probe_reuse(None, p) > 0) for p in prompts]
 
-    assert filler.resize(27 * tpb)  # 25 free slots: evict 2, the oldest two of priority 10
+    assert filler.resize(27 * tpb)  # 25 free slots: evict 2, the oldest two of priority 0
     assert cached() == [1, 0, 1, 0, 1, 1, 1]
-    assert filler.resize(29 * tpb)  # then the last 10, then the 35
+    assert filler.resize(29 * tpb)  # then the last 0, then the 35
     assert cached() == [1, 0, 1, 0, 1, 0, 0]
     assert filler.resize(30 * tpb)  # then the older of the two 50s
     assert cached() == [0, 0, 1, 0, 1, 0, 0]

@@ -60,6 +60,26 @@ def test_second_request_reuses_both_prompt_blocks_and_reads_the_first_ones_bytes
     assert m.probe_reuse(None, prompt) == 32
 
 
+@pytest.mark.parametrize("layers", ["full", "hybrid"])
+def test_conversation_reuses_every_earlier_round(setup, layers):
+    """Each round's prompt is the previous round's prompt and answer plus a new turn: it reuses
+    all of that (the blocks committed after a reused prefix chain on from the prefix)."""
+    full = [record_layer(i, TPB) for i in range(2)]
+    m, engine = setup(layers=full if layers == "full" else None)
+    history: list[int] = []
+    for round_ in range(5):
+        turn = [1000 * (round_ + 1) + i for i in range(21)]
+        answer = [500 + round_ * 40 + i for i in range(11)]
+        prompt = history + turn
+        expected = len(history)  # everything before this turn was committed and closed
+        assert (
+            run_request(m, engine, prompt + answer, len(prompt), reuse_expected=expected)
+            == expected
+        )
+        history = prompt + answer
+    assert m.probe_reuse(None, history) == len(history) == 160
+
+
 def test_full_reuse_shares_pages_instead_of_copying(setup):
     m, engine = setup()
     prompt = list(range(32))

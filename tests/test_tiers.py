@@ -88,10 +88,46 @@ def test_pages_travel_down_and_come_back_byte_for_byte(make, tmp_path, with_host
         assert levels_of(m, prompt) == [2] * 4
     disk = m.num_levels - 1
     assert m._storage.num_moved[disk] >= 4
+    assert m._storage.bytes_moved == [n * 64 * 1024 for n in m.num_moved_pages]  # 64 KiB slots
     checked = engine.records_checked
     assert write_and_close(m, engine, prompt + [7]) == 4 * TPB  # reused from disk, verified
     assert engine.records_checked > checked
     assert m.num_dropped_pages == 0
+
+
+@pytest.mark.parametrize("cold_copy_held", [False, True], ids=["droppable", "held"])
+def test_committing_a_block_whose_tree_copy_is_cold(make, tmp_path, cold_copy_held):
+    """Two requests with the same prompt, created before either committed, compute it both.
+    When the second commits, the tree's copy is on the host: an unused copy is replaced by the
+    second request's GPU page (and its host slot freed); one a suspended request holds stays."""
+    m, engine = make()
+    prompt = list(range(1, 4 * TPB + 1))
+    first, second = m.create_kv_cache(None, prompt), m.create_kv_cache(None, prompt)
+    assert second.num_committed_tokens == 0
+    assert first.resume() and engine.step(first, prompt, prompt)
+    first.close()
+    fill(m, engine, 10_000, 32)  # the prompt's pages move down to the host
+    assert levels_of(m, prompt) == [1] * 4
+    holder = None
+    if cold_copy_held:
+        holder = m.create_kv_cache(None, prompt + [5])  # reuses (holds) the host copies
+        assert holder.num_committed_tokens == 4 * TPB
+    host_used = sum(s.total - s.free for s in m.get_storage_statistics(1))
+    moved_to_host = m.num_moved_pages[1]
+    assert second.resume() and engine.step(second, prompt, prompt)
+    engine.check(second, prompt)
+    host_used += m.num_moved_pages[1] - moved_to_host  # the filler's pages it pushed down
+    host_after = sum(s.total - s.free for s in m.get_storage_statistics(1))
+    if cold_copy_held:
+        assert levels_of(m, prompt) == [1] * 4 and host_after == host_used
+        engine.check_anywhere(holder, prompt)
+        holder.close()
+    else:
+        assert levels_of(m, prompt) == [0] * 4 and host_after == host_used - 4
+        assert [p.level for p in second.pages(0)] == [0] * 4
+    second.close()
+    assert write_and_close(m, engine, prompt + [9]) == 4 * TPB  # reused and verified
+    m.check_invariants()
 
 
 def test_last_level_drops_and_held_pages_are_never_dropped(make, tmp_path):
@@ -136,6 +172,39 @@ def test_allocation_that_would_drop_a_held_page_fails_and_changes_nothing(make, 
         cache.suspend()
     assert m._storage.num_swapped > 0
     for cache, tokens in reversed(requests):
+        assert cache.resume()
+        engine.check(cache, tokens)
+        cache.close()
+
+
+def test_oldest_held_pages_move_where_room_below_and_cached_pages_go_instead(make, tmp_path):
+    """The GPU's oldest evictable pages are a suspended request's (held); the host, the last
+    level, is full of held pages but two slots. A request needing four GPU slots moves two held
+    pages down and drops the two oldest cached pages behind them instead of failing."""
+    m, engine = make(tiers=tiers(tmp_path, gpu=2, host=2, disk=0))  # 32 + 32 slots
+
+    def written(first, blocks, suspend):
+        tokens = [first + t for t in range(blocks * TPB)]
+        cache = m.create_kv_cache()
+        assert cache.resume() and engine.step(cache, tokens, tokens)
+        if suspend:
+            cache.suspend()
+        return cache, tokens
+
+    deep = written(0, 30, suspend=True)
+    cached, cached_tokens = written(100_000, 28, suspend=False)  # pushes 26 of deep's down
+    held = written(200_000, 4, suspend=True)  # and the other 4: the host has 2 free slots
+    cached.close()  # 28 cached pages queue behind held's 4
+    assert [p.level for p in deep[0].pages(0)] == [1] * 30
+    dropped = m.num_dropped_pages
+    newcomer = m.create_kv_cache()
+    assert newcomer.resume() and newcomer.resize(4 * TPB)
+    assert [p.level for p in held[0].pages(0)] == [1, 1, 0, 0]  # the oldest two moved down
+    assert m.num_dropped_pages == dropped + 2
+    assert m.probe_reuse(None, cached_tokens) == 26 * TPB  # its last two blocks (queued first)
+    newcomer.close()
+    for cache, tokens in (held, deep):
+        engine.check_anywhere(cache, tokens)
         assert cache.resume()
         engine.check(cache, tokens)
         cache.close()

@@ -98,6 +98,8 @@ def test_disk_memory_round_trip_and_the_file_is_unlinked(tmp_path):
     memory.resize(MiB)
     assert os.fstat(memory.fileno).st_size == MiB
     memory.resize(2 * MiB)
+    stat = os.fstat(memory.fileno)  # grown by exactly the difference, reserved (not sparse)
+    assert stat.st_size == 2 * MiB and stat.st_blocks * 512 >= 2 * MiB
     assert np.array_equal(memory.read(8192, 4096), blocks[8192])
     assert not memory.read(MiB, 4096).any()
     with pytest.raises(ArgumentError, match="must lie in"):

@@ -159,9 +159,9 @@ class Commits(RequestState):
         is on the GPU, else (colder and unused) put ours in its place."""
         storage, tree = self._ctx.storage, self._ctx.tree
         if existing.level == GPU_LEVEL:
-            self._acquire(existing)
+            storage.lock(existing)  # commits happen only while ACTIVE
             self._set_page(g, index, existing)
-            self._release(page)
+            storage.unlock(page)
         elif not existing.locks and not existing.holds:
             block = existing.block
             assert block is not None

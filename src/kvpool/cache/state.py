@@ -172,19 +172,7 @@ class RequestState:
         self._table.set(g, index, page)
 
     def _clear_page(self, g: int, index: int) -> None:
-        self._release(self._table.clear(g, index))
-
-    def _acquire(self, page: Page) -> None:
-        if self._status is KVCacheStatus.ACTIVE:
-            self._ctx.storage.lock(page)
-        else:
-            self._ctx.storage.hold(page)
-
-    def _release(self, page: Page) -> None:
-        if self._status is KVCacheStatus.ACTIVE:
-            self._ctx.storage.unlock(page)
-        else:
-            self._ctx.storage.unhold(page)
+        self._ctx.storage.unlock(self._table.clear(g, index))  # only while ACTIVE (resize)
 
     def _require_open(self, operation: str) -> None:
         if self._status is KVCacheStatus.CLOSED:

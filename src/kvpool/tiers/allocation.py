@@ -63,17 +63,11 @@ class Allocation(Planning, Migration):
             pages.append(page)
         return pages
 
-    def make_room(
-        self, level: int, pool_group: int, count: int, at_least: int | None = None
-    ) -> int:
-        """Free up to `count` slots (at least `at_least`, default all) at `level` by cascading
-        eviction; returns how many are free. `OutOfPagesError`, with nothing changed, when even
-        `at_least` cannot be had."""
-        if self.num_free(level, pool_group) >= count:
-            return count
-        plan = self._plan_most(level, pool_group, count, count if at_least is None else at_least)
-        self._execute(plan)
-        return min(count, self.num_free(level, pool_group))
+    def make_room(self, level: int, pool_group: int, count: int) -> None:
+        """Free `count` slots at `level` by cascading eviction; `OutOfPagesError`, with nothing
+        changed, when they cannot be had."""
+        if self.num_free(level, pool_group) < count:
+            self._execute(self._plan_most(level, pool_group, count, count))
 
     def _execute(self, plan: Plan) -> None:
         if plan.drops:

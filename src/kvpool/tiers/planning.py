@@ -48,21 +48,10 @@ class Planning(StorageState):
         self, level: int, pool_group: int, want: int, at_least: int, credit: Credit | None = None
     ) -> Plan:
         """The plan freeing the most slots up to `want` at `level`, at least `at_least`, or
-        `OutOfPagesError`. Evicting fewer of the oldest pages never needs more room below, so
-        when all `want` cannot be had the most that can is found by bisection."""
+        `OutOfPagesError`. (`_plan` already frees the most it can: where the oldest pages are
+        held with no room below, `_plan_around_held` takes the ones that fit and cached pages
+        further back instead.)"""
         plan = self._plan(level, pool_group, want, at_least, credit)
-        if plan is None and at_least < want:
-            free = self.num_free(level, pool_group) + (credit or {}).get((level, pool_group), 0)
-            low, high = max(at_least, min(free, want)), want - 1
-            best = self._plan(level, pool_group, low, low, credit)
-            while best is not None and low < high:
-                middle = (low + high + 1) // 2
-                candidate = self._plan(level, pool_group, middle, middle, credit)
-                if candidate is None:
-                    high = middle - 1
-                else:
-                    low, best = middle, candidate
-            plan = best
         if plan is None:
             raise OutOfPagesError(
                 f"cannot free {at_least} slots in pool group {pool_group} at level {level}: "
