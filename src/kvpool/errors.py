@@ -32,3 +32,8 @@ class CorruptedError(KVPoolError):
 
 class StorageError(KVPoolError, OSError):
     """Reading or writing a storage level failed (disk full, I/O error); nothing was changed."""
+
+
+class DivergenceError(KVPoolError):
+    """Replicated managers (one per tensor-parallel rank) took different decisions on the same
+    step; the message names the step, the first decision that differs, and the ranks."""

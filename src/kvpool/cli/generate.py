@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from kvpool.cli.info import tiers_of
@@ -109,11 +110,62 @@ def _prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+@dataclass
+class Replica:
+    """Where this process stands when torchrun launched several: its tensor-parallel group
+    (`tensor_parallel` consecutive ranks form one replica of the model) and which replica."""
+
+    group: Any
+    index: int
+    count: int
+    first_rank: int
+
+
+def _join(args: argparse.Namespace) -> Replica | None:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (gloo: the reference engine
+    computes on the CPU) and this rank's replica; None when run alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    size = args.tensor_parallel or world
+    if world == 1:
+        if size != 1:
+            raise ArgumentError(
+                f"--tensor-parallel {size} needs {size} processes: launch with "
+                f"torchrun --nproc-per-node {size} -m kvpool.cli generate ..."
+            )
+        return None
+    if world % size:
+        raise ArgumentError(
+            f"--tensor-parallel {size} is invalid: must divide the {world} processes torchrun started"
+        )
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    groups = [dist.new_group(list(range(i, i + size))) for i in range(0, world, size)]
+    return Replica(groups[rank // size], rank // size, world // size, rank // size * size)
+
+
 def generate_command(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
-    from kvpool.cli.info import build_manager
-    from kvpool.engine import Generator, PagedDecoder, manager_config_from_hf
+    replica = _join(args)
+    try:
+        return _generate(args, prompts, replica)
+    finally:
+        if replica is not None:
+            import torch.distributed as dist
 
+            dist.destroy_process_group()
+
+
+def _generate(args: argparse.Namespace, prompts: list[str], replica: Replica | None) -> int:
+    from kvpool.cli.info import build_manager
+    from kvpool.distributed import Agreement
+    from kvpool.engine import Generator, PagedDecoder, manager_config_from_hf
+    from kvpool.engine.parallel import TensorParallel
+
+    tp = TensorParallel.of(replica.group) if replica is not None else TensorParallel(0, 1)
+    if replica is not None:  # the replicas share the prompts out
+        prompts = prompts[replica.index :: replica.count]
     model, config, tokenizer = _load(args)
     if tokenizer is None:
         vocab = int(config.vocab_size)
@@ -123,13 +175,26 @@ def generate_command(args: argparse.Namespace) -> int:
         for text, ids in zip(prompts, encoded, strict=True):
             if not ids:
                 raise ArgumentError(f"prompt {text!r} encodes to no tokens with this tokenizer")
-    manager_config = manager_config_from_hf(config, args.tokens_per_block, args.gpu)
+    manager_config = manager_config_from_hf(
+        config, args.tokens_per_block, args.gpu, tensor_parallel_size=tp.size
+    )
     manager_config.cache_tiers = tiers_of(args)
     manager = build_manager(manager_config)
     try:
-        decoder = PagedDecoder(config, model.state_dict(), manager)
-        generator = Generator(decoder, max_batch=args.max_batch)
-        results = generator.generate(encoded, args.max_new_tokens)
+        decoder = PagedDecoder(config, model.state_dict(), manager, tensor_parallel=tp)
+        agreement = None
+        if replica is not None:
+            agreement = Agreement(manager, replica.group, check=args.check_agreement)
+        generator = Generator(decoder, max_batch=args.max_batch, agreement=agreement)
+        results = generator.generate(encoded, args.max_new_tokens) if encoded else []
+        if tp.rank != 0:
+            return 0
+        if replica is not None:
+            last = replica.first_rank + tp.size - 1
+            print(
+                f"replica {replica.index} of {replica.count} "
+                f"(ranks {replica.first_rank}-{last}, tensor parallel {tp.size}):"
+            )
         for text, result in zip(prompts, results, strict=True):
             output = tokenizer.decode(result.tokens) if tokenizer is not None else result.tokens
             print(f"prompt: {text!r}")
@@ -139,7 +204,7 @@ def generate_command(args: argparse.Namespace) -> int:
                 else f"  output token ids: {output}"
             )
             print(f"  {len(result.prompt)} prompt tokens, {result.cached_tokens} from the cache")
-        print("cache:")
+        print("cache" + (" (each rank's, for its KV heads):" if tp.size > 1 else ":"))
         for level in range(manager.num_levels):
             stats = manager.get_storage_statistics(level)
             print(
@@ -150,6 +215,11 @@ def generate_command(args: argparse.Namespace) -> int:
                 + f", {manager.num_moved_pages[level]} pages moved in"
             )
         print(f"  suspensions {generator.suspensions}, dropped pages {manager.num_dropped_pages}")
+        if agreement is not None:
+            checked = "checked equal on every rank" if args.check_agreement else "not checked"
+            print(
+                f"  {agreement.step} scheduling steps ({checked}), {agreement.num_adjustments} rebalances"
+            )
     finally:
         manager.clear_reusable_blocks()
         manager.shutdown()
@@ -188,6 +258,17 @@ def add_generate_parser(commands: Any, formatter: Any, memory_flags: Any) -> Non
         "--tokens-per-block", type=int_at_least(1), default=16, metavar="N", help="block size"
     )
     parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of a --tiny model")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int_at_least(1),
+        metavar="N",
+        help="ranks per model replica under torchrun (default: all of them)",
+    )
+    parser.add_argument(
+        "--check-agreement",
+        action="store_true",
+        help="under torchrun: compare every step's cache decisions across the ranks",
+    )
     memory_flags(parser, gpu="256MiB", host="0")
     parser.set_defaults(run=generate_command)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.cache import KVCache
+from kvpool.distributed import Agreement
 from kvpool.engine.model import PagedDecoder
 from kvpool.errors import ArgumentError
 
@@ -34,11 +35,15 @@ class Generator:
         decoder: PagedDecoder,
         max_batch: int = 8,
         between_steps: Callable[[int], None] | None = None,
+        agreement: Agreement | None = None,
     ) -> None:
+        """`agreement` (`kvpool.distributed`): rebalance when the ranks agree to, and check
+        their decisions each step; needed under tensor parallelism."""
         self.decoder = decoder
         self.manager = decoder.manager
         self.max_batch = max_batch
         self.between_steps = between_steps  # a test hook, called with the step number
+        self.agreement = agreement
         self.suspensions = 0
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]:
@@ -67,6 +72,11 @@ class Generator:
         return results
 
     def _run(self, results: list[Generation], max_new_tokens: int) -> None:
+        """Each step: rebalance, resume, admit and compute prompts one by one (a later one may
+        reuse an earlier one's blocks); grow, suspend or close the running requests, then
+        compute their next token. Under tensor parallelism the ranks check that they agree
+        before each forward pass or batch of them (whose collectives would otherwise
+        mismatch)."""
         waiting = list(range(len(results)))
         running: list[int] = []
         suspended: list[int] = []
@@ -77,8 +87,7 @@ class Generator:
                 raise RuntimeError("generation made no progress")
             if self.between_steps is not None:
                 self.between_steps(step)
-            if self.manager.need_adjustment:
-                self.manager.adjust()
+            self._rebalance()
             may_admit = not suspended
             for index in list(suspended):
                 cache = results[index].cache
@@ -90,12 +99,21 @@ class Generator:
                     break
                 suspended.remove(index)
                 running.append(index)
-            progressed = False
+            prefilled = False
             while may_admit and waiting and len(running) < self.max_batch:
-                if not self._admit(results[waiting[0]]):
+                result = results[waiting[0]]
+                if not self._admit(result):
                     break
                 running.append(waiting.pop(0))
-                progressed = True
+                self._agree()
+                # Computed and committed before the next admission, which may reuse it.
+                assert result.cache is not None
+                computed = result.prompt[result.cached_tokens :]
+                self._emit(result, self.decoder.forward(result.cache, computed))
+                result.cache.commit(computed)
+                prefilled = True
+            decodes: list[int] = []
+            closed = False
             for index in list(running):
                 result = results[index]
                 cache = result.cache
@@ -103,20 +121,34 @@ class Generator:
                 if len(result.tokens) >= max_new_tokens:
                     cache.close()
                     running.remove(index)
-                    progressed = True
-                    continue
-                if not cache.resize(cache.capacity + 1):
+                    closed = True
+                elif cache.resize(cache.capacity + 1):
+                    decodes.append(index)
+                else:
                     cache.suspend()
                     running.remove(index)
                     suspended.append(index)
                     self.suspensions += 1
-                    continue
+            self._agree()
+            for index in decodes:
+                result = results[index]
+                assert result.cache is not None
                 fed = result.tokens[-1]  # computed now; its logits give the next token
-                self._emit(result, self.decoder.forward(cache, [fed]))
-                cache.commit([fed])
-                progressed = True
-            if not progressed and suspended and not running:
+                self._emit(result, self.decoder.forward(result.cache, [fed]))
+                result.cache.commit([fed])
+            if not (prefilled or decodes or closed) and suspended and not running:
                 raise RuntimeError("the GPU level cannot hold a single request of this batch")
+
+    def _agree(self) -> None:
+        if self.agreement is not None:
+            self.agreement.end_step()
+
+    def _rebalance(self) -> None:
+        if self.agreement is not None:
+            if self.agreement.need_adjustment():
+                self.agreement.adjust()
+        elif self.manager.need_adjustment:
+            self.manager.adjust()
 
     def _room_to_grow(self) -> bool:
         """Whether every GPU pool group can still give a running request a new block."""
@@ -131,8 +163,6 @@ class Generator:
             cache.close()
             result.cache = None
             return False
-        self._emit(result, self.decoder.forward(cache, prompt[reused:]))
-        cache.commit(prompt[reused:])
         return True
 
     @staticmethod

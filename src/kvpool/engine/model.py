@@ -9,6 +9,7 @@ float32), so a check against transformers compares like with like.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -16,11 +17,13 @@ import torch
 
 from kvpool.cache import KVCache
 from kvpool.config import CacheTierConfig, GpuCacheTierConfig, KVCacheManagerConfig
+from kvpool.engine.parallel import TensorParallel, kv_head_split, shard_state_dict
 from kvpool.engine.rope import Rotary, rotate
 from kvpool.engine.spec import ModelSpec, config_dict, config_dtype, model_spec
 from kvpool.errors import ArgumentError
 from kvpool.manager import KVCacheManager
 from kvpool.presets import hf_shape
+from kvpool.validation import check_int
 
 _DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
@@ -31,16 +34,22 @@ def manager_config_from_hf(
     gpu_quota: int,
     more_tiers: list[CacheTierConfig] | None = None,
     dtype: torch.dtype | None = None,
+    tensor_parallel_size: int = 1,
     **options: Any,
 ) -> KVCacheManagerConfig:
     """A manager config for a transformers config: K and V buffers per layer (KV heads x head
     dim x the dtype's bytes x tokens per block) with the model's sliding windows. `dtype`
-    defaults to the config's (float32 when it names none)."""
+    defaults to the config's (float32 when it names none). With `tensor_parallel_size` > 1,
+    the config of one rank's manager: its share of the KV heads (see `engine.parallel`)."""
     data = config_dict(hf_config)
     dtype = dtype or config_dtype(data)
     if dtype not in _DTYPE_BYTES:
         raise ArgumentError(f"dtype={dtype!r} is invalid: must be one of {list(_DTYPE_BYTES)}")
-    configs = hf_shape(data).layers(tokens_per_block, _DTYPE_BYTES[dtype])
+    shape = hf_shape(data)
+    check_int("tensor_parallel_size", tensor_parallel_size, 1)
+    _, local_kv = kv_head_split(shape.num_heads, shape.num_kv_heads, tensor_parallel_size)
+    shape = dataclasses.replace(shape, num_kv_heads=local_kv)
+    configs = shape.layers(tokens_per_block, _DTYPE_BYTES[dtype])
     tiers: list[CacheTierConfig] = [GpuCacheTierConfig(gpu_quota), *(more_tiers or [])]
     return KVCacheManagerConfig(tokens_per_block, tiers, configs, **options)
 
@@ -66,10 +75,23 @@ class PagedDecoder:
         state_dict: dict[str, torch.Tensor],
         manager: KVCacheManager,
         dtype: torch.dtype | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         """`dtype` (default: the config's, else float32) is the compute and KV dtype; the
-        manager's buffers must be sized for it (`manager_config_from_hf` with the same dtype)."""
+        manager's buffers must be sized for it (`manager_config_from_hf` with the same dtype).
+        With `tensor_parallel`, this rank computes its share of the heads and MLP columns
+        (`state_dict` is the whole model's) and `manager` holds its KV heads only
+        (`manager_config_from_hf(..., tensor_parallel_size=)`)."""
         spec = model_spec(hf_config, dtype)
+        self.tp = (
+            tensor_parallel if tensor_parallel is not None and tensor_parallel.size > 1 else None
+        )
+        if self.tp is not None:
+            heads, kv_heads = kv_head_split(spec.heads, spec.kv_heads, self.tp.size)
+            state_dict = shard_state_dict(
+                state_dict, spec.num_layers, spec.heads, spec.kv_heads, spec.head_dim, self.tp
+            )
+            spec = dataclasses.replace(spec, heads=heads, kv_heads=kv_heads)
         self.spec: ModelSpec = spec
         self.manager = manager
         self.dtype = spec.dtype
@@ -106,6 +128,15 @@ class PagedDecoder:
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         out = x @ self._w(name + ".weight").T
+        bias = self.weights.get(name + ".bias")
+        return out + bias if bias is not None else out
+
+    def _reduced_linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """A linear layer whose input columns are split over the tensor-parallel ranks: the
+        partial products are summed over the ranks, then the bias is added once."""
+        out = x @ self._w(name + ".weight").T
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
         bias = self.weights.get(name + ".bias")
         return out + bias if bias is not None else out
 
@@ -162,7 +193,7 @@ class PagedDecoder:
     def _mlp(self, h: torch.Tensor, prefix: str) -> torch.Tensor:
         gate = self._linear(h, prefix + "mlp.gate_proj")
         up = self._linear(h, prefix + "mlp.up_proj")
-        return self._linear(self.act(gate) * up, prefix + "mlp.down_proj")
+        return self._reduced_linear(self.act(gate) * up, prefix + "mlp.down_proj")
 
     def _attention(
         self, cache: KVCache, layer: int, h: torch.Tensor, positions: torch.Tensor
@@ -202,4 +233,4 @@ class PagedDecoder:
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
         out = torch.einsum("hqk,khd->qhd", weights, values).reshape(n, -1)
-        return self._linear(out, prefix + "o_proj")
+        return self._reduced_linear(out, prefix + "o_proj")

@@ -27,6 +27,7 @@ from kvpool.rebalance import DemandEstimator
 from kvpool.storage.pools import LevelStorage
 from kvpool.tiers import StorageManager
 from kvpool.validation import (
+    check_bool,
     check_callable,
     check_index,
     fail,
@@ -221,6 +222,28 @@ class ManagerCore:
     def num_dropped_pages(self) -> int:
         """Committed pages evicted from the last level so far (their KV is gone)."""
         return self._storage.num_dropped
+
+    def record_decisions(self, on: bool = True) -> None:
+        """Start (or stop) recording the decisions replicated managers must agree on and that
+        their return values and statistics do not show: which prefix each new request reused,
+        which pages eviction dropped or moved (by slot id), each re-split. For
+        `kvpool.distributed`'s divergence check; off by default (it then costs nothing)."""
+        check_bool("on", on)
+        self._storage.events = [] if on else None
+
+    def note_decision(self, *decision: object) -> None:
+        """Add a decision taken outside the manager (an agreed rebalance) to the record, in
+        order with the manager's own (nothing when not recording)."""
+        if self._storage.events is not None:
+            self._storage.events.append(decision)
+
+    def take_decisions(self) -> list[tuple[object, ...]]:
+        """The decisions recorded since the last call (see `record_decisions`), oldest first."""
+        events = self._storage.events
+        if events is None:
+            return []
+        self._storage.events = []
+        return events
 
     @property
     def num_moved_pages(self) -> list[int]:

@@ -53,6 +53,8 @@ class KVCacheManager(Rebalancing):
         cache = KVCache(self._context, id, scope_key, priority_callback, exclude_from_stats)
         if match.num_tokens:
             cache.adopt_match(match, tokens)
+        if self._storage.events is not None:
+            self._storage.events.append(("create", id, match.num_tokens))
         self._living[id] = cache
         self._after_call()
         return cache
@@ -67,6 +69,11 @@ class KVCacheManager(Rebalancing):
     @property
     def num_open_kv_caches(self) -> int:
         return len(self._living)
+
+    @property
+    def open_kv_caches(self) -> list[KVCache]:
+        """The open requests, in the order they were created."""
+        return list(self._living.values())
 
     def clear_reusable_blocks(self) -> None:
         """Forget every cached block (refused while requests are open)."""

@@ -111,6 +111,8 @@ class Rebalancing(ManagerCore):
                 f"level {level} cannot take slot counts {counts}: the held pages of a shrinking "
                 "pool group find no room below; nothing was changed"
             )
+        if self._storage.events is not None:
+            self._storage.events.append(("split", level, tuple(counts)))
 
     def resize(self, level: int, quota: int) -> bool:
         """Change a level's byte budget at run time, keeping its current split between pool

@@ -1,8 +1,11 @@
 """SlotAllocator: hands out the slot ids of one pool group at one level (docs/architecture.md).
 
 Fresh ids are issued sequentially, so `num_active_slots` is a high-water mark: ids below it are
-occupied, recycled (free, FIFO), waiting (free, but its last use, e.g. a copy, may still run) or
-overflow (free, scheduled for removal by a shrink). A shrink is
+occupied, recycled (free, FIFO) or overflow (free, scheduled for removal by a shrink). Which id
+is handed out depends only on the sequence of calls, never on timing: a freed id whose last use
+(a copy) may still run is recycled like any other, carrying its `ready_event` for the next owner
+to wait on. Replicated managers (one per tensor-parallel rank) therefore hand out the same ids.
+A shrink is
 two-phase: `prepare_for_shrink(n)` stops issuing ids >= n and parks freed ones in overflow;
 `finish_shrink()` succeeds once every issued id >= n is back, i.e. when
 ``len(overflow) == max(0, num_active_slots - n)``. The ``max(0, ...)`` lets a pool whose high-water
@@ -65,10 +68,9 @@ class SlotAllocator:
         self._capacity = capacity
         self._target = capacity
         self._num_active = 0
-        # Free slots, as their handles: recycled (FIFO), waiting (ready_event not set yet) and
-        # overflow (at or above the target capacity of a shrink).
+        # Free slots, as their handles: recycled (FIFO) and overflow (at or above the target
+        # capacity of a shrink).
         self._recycled: deque[Slot] = deque()
-        self._waiting: deque[Slot] = deque()
         self._overflow: list[Slot] = []
         self._make_handles = make_handles
         # The handle of each id below the high-water mark (of every id, with `make_handles`).
@@ -94,7 +96,7 @@ class SlotAllocator:
     @property
     def num_free_slots(self) -> int:
         """Slots `allocate()` can hand out now (ids below the target capacity)."""
-        return len(self._recycled) + len(self._waiting) + max(self._target - self._num_active, 0)
+        return len(self._recycled) + max(self._target - self._num_active, 0)
 
     @property
     def num_occupied_slots(self) -> int:
@@ -125,8 +127,8 @@ class SlotAllocator:
     # -- allocation ------------------------------------------------------------------------------
 
     def allocate(self) -> Slot:
-        """One free slot: a ready recycled id, else a fresh id, else a waiting id whose
-        `ready_event` the caller must wait on. Raises `OutOfPagesError` when none is free."""
+        """One free slot: the longest-free recycled id, else a fresh id. Wait on its
+        `ready_event` (if not None) before using it. `OutOfPagesError` when none is free."""
         if not self.num_free_slots:
             raise OutOfPagesError(
                 f"no free slot: all {self._target} slots below the target capacity are occupied"
@@ -137,20 +139,14 @@ class SlotAllocator:
         """`count` slots, in `allocate()` order, or `OutOfPagesError` and nothing allocated."""
         if type(count) is not int or count < 0:
             check_int("count", count, 0)
-        free = len(self._recycled) + len(self._waiting) + max(self._target - self._num_active, 0)
+        free = len(self._recycled) + max(self._target - self._num_active, 0)
         if count > free:  # (`num_free_slots`, inlined)
             raise OutOfPagesError(f"need {count} free slots, only {free} are free")
         return self._take(count)
 
     def _take(self, count: int) -> list[Slot]:
         """Hand out `count` ids (the caller checked that they are free), one batch at a time."""
-        waiting, recycled = self._waiting, self._recycled
-        while waiting:
-            event = waiting[0].ready_event
-            if event is not None and not event.is_set():
-                break
-            waiting[0].ready_event = None
-            recycled.append(waiting.popleft())
+        recycled = self._recycled
         if count == 1 and recycled:
             taken = [recycled.popleft()]
         elif count < len(recycled):
@@ -166,7 +162,6 @@ class SlotAllocator:
                     self._slots += map(Slot, range(len(self._slots), first + fresh))
                 taken += self._slots[first : first + fresh]
                 self._num_active += fresh
-                taken += [waiting.popleft() for _ in range(count - len(taken))]
         for slot in taken:
             slot.released = False
         self._num_occupied += count
@@ -196,20 +191,16 @@ class SlotAllocator:
             for earlier in slots[:bad]:
                 earlier.released = False
             self._refuse_release(slots[bad], slots)
-        # File each id as recycled, waiting (its last use still runs) or overflow.
+        # File each id as recycled or overflow, in order: whether its last use is done changes
+        # only whether the next owner has an event to wait on, never which id it gets.
         target, recycled = self._target, self._recycled
         for slot in slots:
             if ready_event is not None:
                 slot.ready_event = ready_event
             event = slot.ready_event
             if event is not None and event.is_set():
-                slot.ready_event = event = None
-            if slot.slot_id >= target:
-                self._overflow.append(slot)
-            elif event is None:
-                recycled.append(slot)
-            else:
-                self._waiting.append(slot)
+                slot.ready_event = None
+            (self._overflow if slot.slot_id >= target else recycled).append(slot)
         self._num_occupied -= len(slots)
         if _debug.DEBUG:
             self.check_invariants()
@@ -231,11 +222,10 @@ class SlotAllocator:
         if self.shrink_in_progress:
             raise LogicError(f"a shrink to {self._target} is already in progress")
         check_int("new_capacity", new_capacity, 0, self._capacity - 1)
-        for name in ("_recycled", "_waiting"):
-            kept: deque[Slot] = deque()
-            for slot in getattr(self, name):
-                (kept if slot.slot_id < new_capacity else self._overflow).append(slot)
-            setattr(self, name, kept)
+        kept: deque[Slot] = deque()
+        for slot in self._recycled:
+            (kept if slot.slot_id < new_capacity else self._overflow).append(slot)
+        self._recycled = kept
         self._target = new_capacity
         if _debug.DEBUG:
             self.check_invariants()
@@ -267,8 +257,7 @@ class SlotAllocator:
         """Abandon the scheduled shrink: overflow ids become free again."""
         if not self.shrink_in_progress:
             raise LogicError("cancel_shrink() without prepare_for_shrink()")
-        for slot in self._overflow:
-            (self._waiting if slot.ready_event is not None else self._recycled).append(slot)
+        self._recycled.extend(self._overflow)
         self._overflow.clear()
         self._target = self._capacity
         if _debug.DEBUG:
@@ -304,10 +293,10 @@ class SlotAllocator:
             problems.append(
                 f"occupied count {self._num_occupied} != handles {np.count_nonzero(occupied)}"
             )
-        recycled = np.array([s.slot_id for s in (*self._recycled, *self._waiting)], dtype=np.int64)
+        recycled = np.array([slot.slot_id for slot in self._recycled], dtype=np.int64)
         overflow = np.array([slot.slot_id for slot in self._overflow], dtype=np.int64)
         if recycled.size and (recycled.min() < 0 or recycled.max() >= min(target, active)):
-            problems.append("a recycled or waiting id is outside [0, min(target, high-water))")
+            problems.append("a recycled id is outside [0, min(target, high-water))")
         if overflow.size and (overflow.min() < target or overflow.max() >= min(capacity, active)):
             problems.append("an overflow id is outside [target, min(capacity, high-water))")
         free = np.concatenate([recycled, overflow])
@@ -317,12 +306,8 @@ class SlotAllocator:
             problems.append("an id is both free and occupied")
         if recycled.size + overflow.size + self._num_occupied != active:
             problems.append(
-                f"recycled+waiting {recycled.size} + overflow {overflow.size} + occupied "
+                f"recycled {recycled.size} + overflow {overflow.size} + occupied "
                 f"{self._num_occupied} != high-water mark {active}"
             )
-        if any(slot.ready_event is None for slot in self._waiting):
-            problems.append("a waiting id has no ready event")
-        if any(slot.ready_event is not None for slot in self._recycled):
-            problems.append("a recycled id has a ready event")
         if problems:
             raise CorruptedError("SlotAllocator: " + "; ".join(problems))

@@ -54,6 +54,9 @@ class Allocation(Planning, Migration):
         spare, owners = self._spare_pages, self.pages[level][pool_group]
         pages = []
         for slot in allocator.allocate_multiple(count):
+            if slot.ready_event is not None:  # a copy from it may still run: let it finish
+                slot.ready_event.wait()
+                slot.ready_event = None
             if spare:
                 page = spare.pop()
                 page.reset(slot, level, pool_group, layer_group, locks)

@@ -100,6 +100,9 @@ class Migration(Ownership):
             page.slot, page.level = slot, level
             target_pages[slot.slot_id] = page
         source_group.allocator.release_multiple(old_slots, ready_event=event)
+        if self.events is not None:
+            moved = tuple(slot.slot_id for slot in old_slots), tuple(slot.slot_id for slot in slots)
+            self.events.append(("move", source_level, level, pool_group, *moved))
         evictable = []  # `settle` each page, queueing in one batch
         for page in batch:
             if self.is_evictable(page):

@@ -159,6 +159,8 @@ class Ownership(StorageState):
         slots freed in one call. Returns the pages that lost their block with them, for the
         caller to settle once every group is dropped."""
         pool_group = pages[0].pool_group
+        if self.events is not None:
+            self.events.append(("drop", level, pool_group, tuple(page.slot_id for page in pages)))
         self.queues[level][pool_group].remove_all(pages)
         orphans = self.on_drop(pages)
         registry = self.pages[level][pool_group]

@@ -33,6 +33,9 @@ class StorageState:
         self.bytes_moved = [0] * len(self.levels)
         self.num_swapped = 0  # pages brought up by staging them through RAM
         self.num_relocated = 0  # pages moved inside their level by a shrink
+        # Eviction decisions (drops and moves, with slot ids) while a replica check records them;
+        # None (the usual case) costs one test per batch.
+        self.events: list[tuple[object, ...]] | None = None
 
     @property
     def last_level(self) -> int:
