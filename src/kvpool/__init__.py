@@ -11,6 +11,7 @@ from kvpool.config import (
     HostCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    RemoteCacheTierConfig,
     ReuseScope,
     SsmLayerConfig,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "KVPoolError",
     "LogicError",
     "OutOfPagesError",
+    "RemoteCacheTierConfig",
     "ReuseScope",
     "SsmLayerConfig",
     "StorageError",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, NamedTuple, NoReturn
+from urllib.parse import urlsplit
 
 from kvpool.errors import ConfigError
 from kvpool.lifecycles import AttentionLifeCycle, SsmLifeCycle
@@ -103,6 +104,79 @@ class DiskCacheTierConfig:
 
 CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
 
+REMOTE_SCHEMES = ("valkey", "valkeys", "redis", "rediss")
+
+
+def _is_remote_url(url: object) -> bool:
+    if not isinstance(url, str):
+        return False
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError on a bad port)
+    except ValueError:
+        return False
+    database = parts.path.strip("/")
+    return (
+        parts.scheme.lower() in REMOTE_SCHEMES
+        and bool(parts.hostname)
+        and (not database or database.isdigit())
+    )
+
+
+@dataclass(frozen=True)
+class RemoteCacheTierConfig:
+    """A shared tier on a Valkey (or Redis) server or cluster, below the local levels.
+
+    `url`: ``valkey://[user:password@]host:port[/db]`` (``valkeys://`` for TLS), or a list of
+    such URLs naming nodes of a cluster (`cluster=True` makes a single URL a cluster seed). A
+    password missing from the URL is read from the environment variable `password_env`.
+    `namespace` and `model_id` separate tenants and models (with the layout's fingerprint, they
+    make the key prefix). `timeout_ms` bounds every call to the server; `tolerate_unavailable`
+    starts in degraded mode (with a warning) instead of failing when the server is down.
+    `max_pending_writes` bounds the blocks waiting to be written back (more are dropped, and
+    counted); `max_lookup_blocks` bounds the blocks one lookup asks about.
+    """
+
+    url: str | Sequence[str]
+    namespace: str = ""
+    model_id: str = ""
+    cluster: bool = False
+    password_env: str = "KVPOOL_REMOTE_PASSWORD"
+    timeout_ms: int = 500
+    tolerate_unavailable: bool = False
+    max_pending_writes: int = 4096
+    max_lookup_blocks: int = 256
+    reconnect_min_ms: int = 100
+    reconnect_max_ms: int = 10_000
+
+    @property
+    def urls(self) -> list[str]:
+        return [self.url] if isinstance(self.url, str) else list(self.url)
+
+    def validate(self, name: str = "remote_tier") -> None:
+        urls = self.url if isinstance(self.url, list | tuple) else [self.url]
+        if not urls:
+            _fail(f"{name}.url", self.url, "a URL or a non-empty list of URLs")
+        for i, url in enumerate(urls):
+            field_name = f"{name}.url" if isinstance(self.url, str) else f"{name}.url[{i}]"
+            if not _is_remote_url(url):
+                _fail(field_name, url, f"a URL {'|'.join(REMOTE_SCHEMES)}://host:port[/db]")
+        for field_name in ("namespace", "model_id", "password_env"):
+            if not isinstance(getattr(self, field_name), str):
+                _fail(f"{name}.{field_name}", getattr(self, field_name), "a string")
+        check_bool(f"{name}.cluster", self.cluster, ConfigError)
+        check_bool(f"{name}.tolerate_unavailable", self.tolerate_unavailable, ConfigError)
+        for field_name in ("timeout_ms", "max_pending_writes", "max_lookup_blocks"):
+            _positive_int(f"{name}.{field_name}", getattr(self, field_name))
+        _positive_int(f"{name}.reconnect_min_ms", self.reconnect_min_ms)
+        check_int(
+            f"{name}.reconnect_max_ms",
+            self.reconnect_max_ms,
+            self.reconnect_min_ms,
+            None,
+            ConfigError,
+        )
+
 
 class ReuseScope(NamedTuple):
     """Requests reuse each other's blocks only within the same scope (LoRA adapter, salt)."""
@@ -145,6 +219,7 @@ class KVCacheManagerConfig:
     rebalance_target_ratio_update_interval: int = 100
     rebalance_ratio_threshold: float = 1.25
     rebalance_moving_average_decay: float = 0.9999
+    remote_tier: RemoteCacheTierConfig | None = None
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first invalid field; return None when all is valid."""
@@ -162,6 +237,10 @@ class KVCacheManagerConfig:
         if not _is_real(util) or math.isnan(util) or not 0.0 < util <= 1.0:
             _fail("max_util_for_resume", util, "a number in (0, 1]")
         check_bool("enable_partial_reuse", self.enable_partial_reuse, ConfigError)
+        if self.remote_tier is not None:
+            if not isinstance(self.remote_tier, RemoteCacheTierConfig):
+                _fail("remote_tier", self.remote_tier, "a RemoteCacheTierConfig or None")
+            self.remote_tier.validate()
 
     def _validate_tiers(self) -> None:
         allowed = "a non-empty list starting with the GPU tier"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvpool.cache.commits import Commits
 from kvpool.cache.growth import Growth
+from kvpool.cache.remote_loading import RemoteLoading
 from kvpool.cache.state import GPU_LEVEL, KVCacheStatus
 from kvpool.errors import LogicError
 from kvpool.records import Page
@@ -16,14 +16,16 @@ if TYPE_CHECKING:
     from kvpool.tiers import Staged
 
 
-class KVCache(Growth, Commits):
+class KVCache(Growth, RemoteLoading):
     """One request's KV cache. Created SUSPENDED by `KVCacheManager.create_kv_cache`."""
 
     def resume(self) -> bool:
         """Bring every page the request needs to the GPU level and lock it there. Returns False
         (still suspended, nothing moved) when a GPU pool group is fuller than
         `max_util_for_resume` or the GPU cannot take the pages (plus the private copies made on
-        first resume), even by pushing other pages down."""
+        first resume), even by pushing other pages down. The first resume also fetches the
+        part of the prefix found in the remote tier (see `num_committed_tokens`); fetched
+        pages stay fetched even when it then returns False."""
         self._require_open("resume")
         if self._status is KVCacheStatus.ACTIVE:
             return True
@@ -33,6 +35,8 @@ class KVCache(Growth, Commits):
             used = total - storage.num_available(GPU_LEVEL, pool_group)
             if total and used / total > self._ctx.max_util_for_resume:
                 return False
+        if self._remote is not None and not self._load_remote(GPU_LEVEL):
+            return False
         ours = [page for pages in self._pages for page in pages if page is not None]
         extra = [0] * layout.num_pool_groups  # private copies made on first resume
         for g, block, _ in self._deferred:
@@ -78,6 +82,9 @@ class KVCache(Growth, Commits):
             )
         storage = self._ctx.storage
         check_index("level", level, len(storage.levels))
+        if self._remote is not None and not self._load_remote(level):
+            self._after_call()
+            return False
         ours = [page for pages in self._pages for page in pages if page is not None]
         ours += [page for _, index, page in self._deferred if index < 0]  # SSM snapshots
         ours = list(dict.fromkeys(ours))  # a page twice (shared by two blocks) is locked once
@@ -145,6 +152,7 @@ class KVCache(Growth, Commits):
         Committed pages stay cached in the tree for reuse."""
         if self._status is KVCacheStatus.CLOSED:
             return
+        self._forget_remote()
         if self._committing:
             self.stop_committing()
         storage = self._ctx.storage

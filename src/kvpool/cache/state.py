@@ -27,6 +27,7 @@ from kvpool.layout import KVLayout
 from kvpool.page_table import PageTable
 from kvpool.radix import RadixTree
 from kvpool.records import Page
+from kvpool.remote import RemotePrefix, RemoteTier
 from kvpool.tokens import Token
 from kvpool.validation import check_index
 
@@ -62,6 +63,7 @@ class CacheContext:
     on_close: Callable[[RequestState], None]
     check: Callable[[], None]
     check_thread: Callable[[], None]
+    remote: RemoteTier | None = None
 
 
 class RequestState:
@@ -106,6 +108,10 @@ class RequestState:
         # Shared pages to copy into private ones on first resume: (layer group, block, page).
         # The block is -1 for an SSM state snapshot.
         self._deferred: list[tuple[int, int, Page]] = []
+        # The part of the reused prefix the remote tier holds, fetched by the first resume()
+        # or prefetch(); its tokens count as committed until then.
+        self._remote: RemotePrefix | None = None
+        self._remote_tokens = 0
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -115,15 +121,24 @@ class RequestState:
 
     @property
     def capacity(self) -> int:
-        return self._capacity
+        return self._capacity + self._remote_tokens
 
     @property
     def history_length(self) -> int:
-        return self._history
+        return self._history + self._remote_tokens
 
     @property
     def num_committed_tokens(self) -> int:
-        return self._committed
+        """Committed tokens. With a remote tier, a new request's count includes the prefix
+        found there, final only after the first `resume()`/`prefetch()`: a remote block that
+        vanished or failed its check shortens it (re-read it then)."""
+        return self._committed + self._remote_tokens
+
+    @property
+    def pending_remote_tokens(self) -> int:
+        """Tokens of the reused prefix found in the remote tier and not fetched yet (counted in
+        `num_committed_tokens`; 0 after the first `resume()`/`prefetch()`)."""
+        return self._remote_tokens
 
     @property
     def num_blocks(self) -> int:

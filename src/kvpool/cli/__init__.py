@@ -24,8 +24,8 @@ from kvpool.cli.arguments import (
 )
 from kvpool.cli.generate import add_generate_parser
 from kvpool.cli.info import DEFAULT_MODEL, in_flag_terms, info_command, tiers_of
-from kvpool.cli.replay import INTERRUPTED, replay_command
-from kvpool.errors import KVPoolError
+from kvpool.cli.replay import INTERRUPTED, remote_config, replay_command
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.presets import PRESETS
 from kvpool.replay.policy import POLICIES
 
@@ -184,6 +184,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write and check every KV record (slow; proves no KV was corrupted)",
     )
+    remote = replay_parser.add_argument_group("remote tier")
+    remote.add_argument(
+        "--remote",
+        nargs="+",
+        metavar="URL",
+        help="a shared Valkey/Redis tier below the local levels: valkey://host:port[/db] "
+        "(valkeys:// for TLS; several URLs: nodes of a cluster); replays run one after another "
+        "against one server reuse each other's prefixes",
+    )
+    remote.add_argument(
+        "--remote-namespace",
+        default="",
+        metavar="NAME",
+        help="keys of this tenant only (default: none)",
+    )
+    remote.add_argument(
+        "--remote-cluster", action="store_true", help="the one --remote URL is a cluster's node"
+    )
     replay_parser.add_argument(
         "--capacity-blocks",
         type=int_at_least(1),
@@ -223,6 +241,15 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 parser.error(
                     "--capacity-blocks (prefix-cache mode) takes no --verify or --hf-config"
                 )
+            if args.capacity_blocks and args.remote:
+                parser.error("--capacity-blocks (prefix-cache mode) takes no --remote")
+            if args.remote_cluster and not args.remote:
+                parser.error("--remote-cluster needs --remote URL")
+            if args.remote:
+                try:
+                    remote_config(args).validate()
+                except ConfigError as error:
+                    parser.error(str(error).replace("remote_tier.url", "--remote"))
             check_output_file("--json", args.json, (".json",))
             check_output_file("--plot", args.plot, (".png", ".pdf", ".svg"))
     except argparse.ArgumentTypeError as error:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -13,8 +14,9 @@ from typing import Any
 
 from kvpool.cli.arguments import atomic_write, describe_size
 from kvpool.cli.info import build_manager, in_flag_terms, layers_of, tiers_of
-from kvpool.config import KVCacheManagerConfig
+from kvpool.config import KVCacheManagerConfig, RemoteCacheTierConfig
 from kvpool.errors import ArgumentError, KVPoolError
+from kvpool.remote.store import url_without_password
 from kvpool.replay.driver import ReplayOptions, ReplayReport, replay
 from kvpool.replay.prefix import prefix_cache_hit_rate
 from kvpool.replay.report import (
@@ -90,7 +92,19 @@ def load_workload(args: argparse.Namespace) -> tuple[list[Request], str, list[st
     return workload, title, notes
 
 
+def remote_config(args: argparse.Namespace) -> RemoteCacheTierConfig:
+    urls = args.remote
+    return RemoteCacheTierConfig(
+        urls[0] if len(urls) == 1 else list(urls),
+        namespace=args.remote_namespace,
+        model_id=args.hf_config or args.model or "",
+        cluster=args.remote_cluster,
+    )
+
+
 def manager_config(args: argparse.Namespace) -> tuple[KVCacheManagerConfig, str]:
+    """The replay's manager config; the remote tier (`--remote`) is left out here and added
+    only to the replay's own manager (the set-up checks must not connect to it)."""
     layers, description = layers_of(args)
     config = KVCacheManagerConfig(
         args.tokens_per_block,
@@ -126,6 +140,8 @@ def setup_of(
     finally:
         manager.shutdown()
     flags = {key: value for key, value in vars(args).items() if key != "run"}
+    if args.remote:
+        flags["remote"] = [url_without_password(url) for url in args.remote]
     sizes = {flag: describe_size(str(getattr(args, flag))) for flag in ("gpu", "host", "disk")}
     return {
         "argv": command_line(args),
@@ -178,6 +194,10 @@ def command_line(args: argparse.Namespace) -> list[str]:
     ]
     if args.capacity_blocks:
         argv += ["--capacity-blocks", *map(str, args.capacity_blocks)]
+    if args.remote:
+        urls = [url_without_password(url) for url in args.remote]  # (never in a report)
+        argv += ["--remote", *urls, "--remote-namespace", args.remote_namespace]
+        argv += ["--remote-cluster"] if args.remote_cluster else []
     return argv
 
 
@@ -221,6 +241,8 @@ def replay_command(args: argparse.Namespace) -> int:
         verify=args.verify,
         rebalance=not args.no_rebalance,
     )
+    if args.remote:
+        config = dataclasses.replace(config, remote_tier=remote_config(args))
     from rich.progress import Progress
 
     with (

@@ -24,6 +24,8 @@ from kvpool.layout import KVLayout
 from kvpool.manager.invariants import check_invariants
 from kvpool.radix import RadixTree
 from kvpool.rebalance import DemandEstimator
+from kvpool.records import Page
+from kvpool.remote import RemoteStatistics, RemoteTier
 from kvpool.storage.pools import LevelStorage
 from kvpool.tiers import StorageManager
 from kvpool.validation import (
@@ -103,6 +105,14 @@ class ManagerCore:
         # engine's loop (like the slot handles and page records).
         self._tree = RadixTree(self.layout, spare_blocks=max(self._levels[0].slot_counts))
         self._storage.on_drop = self._tree.remove_pages
+        self._remote: RemoteTier | None = None
+        if self._config.remote_tier is not None:
+            try:
+                self._remote = RemoteTier(self._config.remote_tier, self.layout)
+            except BaseException:
+                self._storage.close()
+                raise
+            self._storage.write_back = self._write_back
         self.rebalancer = DemandEstimator(self._config, self.layout, clock or time.monotonic)
         self._constrained: dict[int, tuple[object, int, list[float]]] = {}
         self._living: dict[int, KVCache] = {}
@@ -115,7 +125,12 @@ class ManagerCore:
             on_close=self._forget,
             check=self._after_call,
             check_thread=self._check_thread,
+            remote=self._remote,
         )
+
+    def _write_back(self, pages: list[Page]) -> None:
+        assert self._remote is not None
+        self._remote.write_back(pages, self._storage.read_page)
 
     def _forget(self, cache: RequestState) -> None:
         del self._living[cache.id]
@@ -222,6 +237,16 @@ class ManagerCore:
     def num_dropped_pages(self) -> int:
         """Committed pages evicted from the last level so far (their KV is gone)."""
         return self._storage.num_dropped
+
+    def remote_statistics(self) -> RemoteStatistics | None:
+        """Counters of the remote tier (None without one): lookups, hits from other
+        instances, values gone or corrupt, failed and skipped calls, writes."""
+        return None if self._remote is None else self._remote.statistics
+
+    def flush_remote_writes(self, timeout: float | None = 10.0) -> bool:
+        """Wait until the blocks queued for the remote tier are written (or failed); False
+        when `timeout` seconds pass first. True at once without a remote tier."""
+        return True if self._remote is None else self._remote.flush(timeout)
 
     def record_decisions(self, on: bool = True) -> None:
         """Start (or stop) recording the decisions replicated managers must agree on and that

@@ -12,6 +12,8 @@ from kvpool.config import (
 )
 from kvpool.errors import ArgumentError, LogicError
 from kvpool.manager.rebalancing import Rebalancing
+from kvpool.radix import Match
+from kvpool.remote import RemotePrefix
 from kvpool.tokens import Token, root_key
 from kvpool.validation import (
     check_bool,
@@ -49,12 +51,15 @@ class KVCacheManager(Rebalancing):
         check_callable("priority_callback", priority_callback)
         check_bool("exclude_from_stats", exclude_from_stats)
         tokens = [] if input_tokens is None else token_list("input_tokens", input_tokens)
-        match = self._tree.match(scope_key, tokens, self._config.enable_partial_reuse)
+        match, prefix = self._match(scope_key, tokens)
         cache = KVCache(self._context, id, scope_key, priority_callback, exclude_from_stats)
         if match.num_tokens:
             cache.adopt_match(match, tokens)
+        if prefix is not None:
+            cache._remote = prefix
+            cache._remote_tokens = (prefix.end - prefix.start) * self.tokens_per_block
         if self._storage.events is not None:
-            self._storage.events.append(("create", id, match.num_tokens))
+            self._storage.events.append(("create", id, cache.num_committed_tokens))
         self._living[id] = cache
         self._after_call()
         return cache
@@ -64,7 +69,24 @@ class KVCacheManager(Rebalancing):
         self._require_open()
         scope_key = root_key(reuse_scope)
         tokens = token_list("input_tokens", input_tokens)
-        return self._tree.match(scope_key, tokens, self._config.enable_partial_reuse).num_tokens
+        match, prefix = self._match(scope_key, tokens)
+        return match.num_tokens if prefix is None else prefix.end * self.tokens_per_block
+
+    def _match(self, scope_key: bytes, tokens: list[Token]) -> tuple[Match, RemotePrefix | None]:
+        """The longest reusable prefix of `tokens`: the local tree's match, or a block-aligned
+        local match continued by the remote tier when that reaches further."""
+        match = self._tree.match(scope_key, tokens, self._config.enable_partial_reuse)
+        if self._remote is None:
+            return match, None
+        tpb = self.tokens_per_block
+        aligned = match
+        if match.num_tokens % tpb:  # the remote tier holds whole blocks: continue the last one
+            aligned = self._tree.match(scope_key, tokens[: match.num_tokens // tpb * tpb], False)
+        parent_key = aligned.blocks[-1].key if aligned.blocks else scope_key
+        prefix = self._remote.lookup(parent_key, tokens, aligned.num_tokens // tpb)
+        if prefix is None or prefix.end * tpb <= match.num_tokens:
+            return match, None
+        return aligned, prefix
 
     @property
     def num_open_kv_caches(self) -> int:
@@ -90,6 +112,8 @@ class KVCacheManager(Rebalancing):
         self._refuse_with_open_caches("shutdown")
         for page in self._tree.clear():
             self._storage.settle(page)
+        if self._remote is not None:
+            self._remote.close()
         self._storage.close()
         self._levels = []
         self._closed = True

@@ -109,6 +109,10 @@ class ReplayReport:
     recomputed_tokens: int = 0  # computed again after a preemption
     queueing_delay: LatencySummary = field(default_factory=LatencySummary)
     time_to_first_token: LatencySummary = field(default_factory=LatencySummary)
+    # Tokens reused from the remote tier (KV another instance computed) and its counters;
+    # None without a remote tier.
+    remote_hit_tokens: int = 0
+    remote: dict[str, int] | None = None
     dropped_pages: int = 0
     pages_moved_to_level: list[int] = field(default_factory=list)
     bytes_moved_to_level: list[int] = field(default_factory=list)
@@ -251,7 +255,9 @@ class Replay:
             report.bytes_moved_to_level = list(storage.bytes_moved)
             report.records_verified = self.engine.records_checked if self.engine else 0
             manager.clear_reusable_blocks()
-            manager.shutdown()
+            manager.shutdown()  # (writes what is queued for the remote tier first)
+            remote = manager.remote_statistics()
+            report.remote = None if remote is None else asdict(remote)
         report.wall_seconds = time.perf_counter() - start
         report.peak_concurrency = max(concurrency, default=0)
         report.mean_concurrency = float(np.mean(concurrency)) if concurrency else 0.0
@@ -342,10 +348,12 @@ class Replay:
                 None, prompt[:-1], priority_callback=self.policy.priority
             )
             self._open[index] = cache
+            local = cache.num_committed_tokens - cache.pending_remote_tokens
+            levels = self._levels_of_reused(cache, local)
+            resumed = cache.resume()  # (fetches the remote part of the prefix, if any)
             reused = cache.num_committed_tokens
-            levels = self._levels_of_reused(cache, reused)
             first_chunk = tokens[reused : min(len(prompt), reused + self.options.prefill_chunk)]
-            if not cache.resume() or not self._compute(cache, tokens, first_chunk):
+            if not resumed or not self._compute(cache, tokens, first_chunk):
                 cache.close()  # no room for it now: admission waits (back-pressure)
                 del self._open[index]
                 break
@@ -363,6 +371,8 @@ class Replay:
                 report.hit_tokens += reused
                 for level, count in levels.items():
                     report.hit_tokens_by_level[level] += count
+                if reused > local:
+                    report.remote_hit_tokens += reused - local
             entry = _Running(index, cache, tokens, len(prompt))
             self._note_first_token(entry)
             running.append(entry)

@@ -25,7 +25,10 @@ LEGEND = {
     "queueing delay": "simulated time from a request's arrival to its admission",
     "time to first token": "simulated time from arrival to the end of the engine step that "
     "computed the prompt's last token",
-    "dropped pages": "cached pages evicted from the last level (their KV is gone)",
+    "dropped pages": "cached pages evicted from the last level (their KV is gone, or written "
+    "to the remote tier when there is one)",
+    "served from REMOTE": "reused tokens fetched from the shared remote tier (written there by "
+    "this or another instance when they left its last local level)",
     "moved to": "pages copied into a level by eviction, resume or prefetch (real bytes)",
     "rebalances": "adjust() calls that moved a level's memory between its pool groups",
     "manager time per step": "wall time spent in kvpool calls per engine step (the scheduler "
@@ -78,6 +81,21 @@ def summary_rows(report: ReplayReport) -> list[tuple[str, str]]:
     for name, hits in zip(report.level_names, report.hit_tokens_by_level, strict=True):
         share = hits / report.prompt_tokens if report.prompt_tokens else 0.0
         rows.append((f"  served from {name}", f"{hits:,} ({share:.1%})"))
+    remote = report.remote
+    if remote is not None:
+        share = report.remote_hit_tokens / report.prompt_tokens if report.prompt_tokens else 0.0
+        rows.append(
+            ("  served from REMOTE", f"{report.remote_hit_tokens:,} ({share:.1%}, the shared tier)")
+        )
+        rows.append(
+            (
+                "remote tier",
+                f"{remote['fetched_blocks']:,} blocks fetched, {remote['written_values']:,} "
+                f"pages written ({format_bytes(remote['bytes_written'])}), "
+                f"{remote['missing_values'] + remote['corrupt_values']:,} gone or bad, "
+                f"{remote['errors']:,} failed calls",
+            )
+        )
     delay, ttft = report.queueing_delay, report.time_to_first_token
     rows += [
         ("concurrency peak / mean", f"{report.peak_concurrency} / {report.mean_concurrency:.1f}"),

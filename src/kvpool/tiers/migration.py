@@ -114,6 +114,24 @@ class Migration(Ownership):
             self.num_moved[level] += len(batch)
             self.bytes_moved[level] += len(batch) * sum(source_group.slot_sizes)
 
+    def read_page(self, page: Page) -> bytes:
+        """A copy of the page's bytes, pool by pool (`StorageError` if a disk read fails)."""
+        assert page.slot is not None
+        group, slot = self.levels[page.level].pool_groups[page.pool_group], page.slot.slot_id
+        return b"".join(
+            bytes(memory.read(slot * size, size))
+            for memory, size in zip(group.memories, group.slot_sizes, strict=True)
+        )
+
+    def write_page(self, page: Page, payload: bytes) -> None:
+        """Fill the page's slot with `payload`, pool by pool (as `read_page` returns it)."""
+        assert page.slot is not None
+        group, slot = self.levels[page.level].pool_groups[page.pool_group], page.slot.slot_id
+        offset = 0
+        for memory, size in zip(group.memories, group.slot_sizes, strict=True):
+            memory.write(slot * size, payload[offset : offset + size])
+            offset += size
+
     def stage(self, pages: Sequence[Page], every: bool = False) -> Staged:
         """Read the bytes of those `pages` that live on a disk level (or of all of them, with
         `every`) into RAM. A failed read raises `StorageError` with nothing changed."""

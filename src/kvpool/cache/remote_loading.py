@@ -1,0 +1,106 @@
+"""Loading the remote part of a request's reused prefix into local pages (first `resume()` or
+`prefetch()` of a request that `create_kv_cache` found past its local prefix in the remote tier).
+
+The pages are fetched and checked (`RemoteTier.fetch`), written into new slots at the target
+level (or a colder one with room), and their blocks inserted into the radix tree, so other
+requests reuse them too. Then the request adopts the longer prefix as if it had matched it at
+creation. A prefix the fetch had to shorten is adopted shorter: the request's committed count
+drops to it (the engine recomputes the rest).
+"""
+
+from __future__ import annotations
+
+from kvpool.cache.commits import Commits
+from kvpool.errors import OutOfPagesError
+from kvpool.records import Page
+from kvpool.tokens import Token
+
+
+class RemoteLoading(Commits):
+    """The remote part of the reused prefix, loaded on first use."""
+
+    def _load_remote(self, level: int) -> bool:
+        """Fetch the remote prefix into pages at `level` (or colder) and adopt it. False, with
+        nothing changed and the prefix still pending, when no level has room for its pages."""
+        prefix, remote = self._remote, self._ctx.remote
+        assert prefix is not None and remote is not None
+        end, payloads = remote.fetch(prefix)
+        if end == prefix.start:
+            self._forget_remote()
+            return True
+        storage, layout, tree = self._ctx.storage, self._ctx.layout, self._ctx.tree
+        by_group: dict[int, list[tuple[int, bytes]]] = {}
+        for (index, g), payload in payloads.items():
+            by_group.setdefault(g, []).append((index, payload))
+        fetched: list[tuple[int, int, Page]] = []
+        try:
+            for g, items in by_group.items():
+                pages = self._new_pages_at_or_below(level, layout.pool_group_of[g], g, len(items))
+                for page, (index, payload) in zip(pages, items, strict=True):
+                    fetched.append((index, g, page))
+                    storage.write_page(page, payload)
+        except OutOfPagesError:
+            for _, _, page in fetched:
+                storage.settle(page)  # unowned and in no block: freed
+            return False
+        except BaseException:
+            for _, _, page in fetched:
+                storage.settle(page)
+            raise
+        parent = (
+            tree.root(self._scope_key)
+            if prefix.parent_key == self._scope_key
+            else tree.index.get(prefix.parent_key)
+        )
+        if parent is not None:
+            count = end - prefix.start
+            blocks, orphans = tree.insert_chain(parent, prefix.keys[:count], prefix.datas[:count])
+            for orphan in orphans:
+                storage.settle(orphan)
+            for index, g, page in fetched:
+                block = blocks[index - prefix.start]
+                if block[g] is None:  # (else another request committed it meanwhile: keep that)
+                    tree.attach(block, page)
+            remote.note_hit(count)
+        tokens = prefix.tokens[: end * self._tpb]
+        self._forget_remote()
+        self._readopt(tokens)
+        for _, _, page in fetched:
+            storage.settle(page)  # held now, or freed when unused
+        return True
+
+    def _new_pages_at_or_below(self, level: int, pool_group: int, g: int, count: int) -> list[Page]:
+        storage = self._ctx.storage
+        for candidate in range(level, len(storage.levels)):
+            try:
+                return storage.new_pages(candidate, pool_group, g, count)
+            except OutOfPagesError:
+                continue
+        raise OutOfPagesError(f"no level has {count} slots for the fetched remote pages")
+
+    def _readopt(self, tokens: list[Token]) -> None:
+        """Adopt the tree's longest usable match of `tokens` in place of the current one."""
+        previous = self._release_adoption()
+        match = self._ctx.tree.match(self._scope_key, tokens, False)
+        self.adopt_match(match, tokens)
+        storage = self._ctx.storage
+        for page in previous:
+            storage.unhold(page)
+
+    def _release_adoption(self) -> list[Page]:
+        """Clear the adopted prefix (only ever before the first resume); returns the pages it
+        held, still held, for the caller to unhold once it holds the new ones."""
+        held: list[Page] = []
+        for g in range(len(self._pages)):
+            held += [page for page in self._table.clear_all(g) if page is not None]
+        held += [page for _, index, page in self._deferred if index < 0]
+        self._deferred = []
+        self._released_end = [0] * len(self._pages)
+        self._prev_key = self._scope_key
+        self._tail = []
+        self._capacity = self._history = self._committed = self.reused_length = 0
+        return held
+
+    def _forget_remote(self) -> None:
+        self._remote = None
+        self._remote_tokens = 0

@@ -1,0 +1,7 @@
+"""The shared remote tier on Valkey (see `tier.py`): content-addressed values any engine
+instance with the same model layout can read."""
+
+from kvpool.remote.store import RemoteStatistics, RemoteStore, WriteBack
+from kvpool.remote.tier import RemotePrefix, RemoteTier
+
+__all__ = ["RemotePrefix", "RemoteStatistics", "RemoteStore", "RemoteTier", "WriteBack"]

@@ -1,0 +1,315 @@
+"""The connection to the shared store: batched calls with a bounded time each, and a server
+that may come and go.
+
+Every call is one pipeline (one round trip per server, or per shard of a cluster), bounded by
+the socket timeout. A failed call (connection refused, timeout, a server error) returns None
+and marks the server down for a backoff that doubles up to a limit; calls in that window are
+skipped (counted) instead of waiting on a dead server, and the first call after it reconnects.
+Nothing here raises on a server problem: the remote tier is a cache.
+
+`WriteBack` writes values from a thread of its own (with a client of its own), so an engine
+step never waits for the network; its queue is bounded and what does not fit is dropped and
+counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvpool.config import RemoteCacheTierConfig
+from kvpool.errors import ConfigError, StorageError
+
+logger = logging.getLogger("kvpool.remote")
+
+
+@dataclass
+class RemoteStatistics:
+    """Counters of the remote tier (`KVCacheManager.remote_statistics()`)."""
+
+    lookups: int = 0  # existence queries answered by the server
+    found_blocks: int = 0  # blocks past the local prefix those queries found
+    fetched_blocks: int = 0  # blocks fetched into local pages: hits from other instances
+    hit_tokens: int = 0  # tokens those blocks gave requests
+    missing_values: int = 0  # values gone between the lookup and the fetch (evicted)
+    corrupt_values: int = 0  # values that failed their check (never written into a page)
+    errors: int = 0  # calls that failed: connection, timeout, server error
+    skipped_calls: int = 0  # calls not made while the server was down (backoff)
+    refused_commands: int = 0  # commands of an answered call the server refused (per key)
+    reconnects: int = 0  # times the server came back after being down
+    queued_writes: int = 0  # values handed to the write-back thread
+    written_values: int = 0
+    dropped_writes: int = 0  # not queued: the write-back queue was full
+    failed_writes: int = 0  # lost to a failed call
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+    def __add__(self, other: RemoteStatistics) -> RemoteStatistics:
+        return RemoteStatistics(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
+
+
+def url_without_password(url: str) -> str:
+    """`url` as logs and reports may show it: scheme, host, port and database only."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}{parts.path}"
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    from valkey.exceptions import ValkeyError
+
+    return (ValkeyError, OSError)
+
+
+class RemoteStore:
+    """One client of the server or cluster named by a `RemoteCacheTierConfig`."""
+
+    def __init__(self, config: RemoteCacheTierConfig, clock: Callable[[], float] = time.monotonic):
+        try:
+            import valkey  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "remote_tier needs the valkey client: pip install 'kvpool[remote]'"
+            ) from None
+        self.config = config
+        self.stats = RemoteStatistics()
+        self._clock = clock
+        self._client: Any = None
+        self._errors = _client_errors()
+        from valkey.exceptions import ResponseError
+
+        self._answer_errors: type[BaseException] = ResponseError
+        self._backoff = config.reconnect_min_ms / 1000
+        self._retry_at = 0.0
+        self._down = False
+
+    @property
+    def where(self) -> str:
+        """The server's address, without the password."""
+        return ", ".join(url_without_password(url) for url in self.config.urls)
+
+    @property
+    def available(self) -> bool:
+        return not self._down
+
+    def connect(self) -> None:
+        """Reach the server now: `StorageError` naming it when it does not answer (unless the
+        config tolerates that: then a warning, and the tier runs degraded until it answers)."""
+        if self._call(lambda client: client.ping(), quiet=True) is None:
+            message = f"the remote tier at {self.where} does not answer"
+            if not self.config.tolerate_unavailable:
+                self.close()
+                raise StorageError(
+                    errno.ECONNREFUSED,
+                    message + " (remote_tier.tolerate_unavailable=True starts without it)",
+                )
+            logger.warning("%s: running without it until it does", message)
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Whether each key is stored (None: the server could not be asked)."""
+        if not keys:
+            return []
+
+        def run(client: Any) -> list[bool]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return [found is True or found == 1 for found in self._answers(pipe)]
+
+        result: list[bool] | None = self._call(run)
+        return result
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
+        """The value of each key (None for an absent one; None for all: no server)."""
+        if not keys:
+            return []
+
+        def run(client: Any) -> list[bytes | None]:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            return [v if isinstance(v, bytes) else None for v in self._answers(pipe)]
+
+        values: list[bytes | None] | None = self._call(run)
+        return values
+
+    def set_many(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Store each (key, value); returns how many the server confirmed (0 when the call
+        failed)."""
+        if not items:
+            return 0
+
+        def run(client: Any) -> int:
+            pipe = client.pipeline(transaction=False)
+            for key, value in items:
+                pipe.set(key, value)
+            return sum(1 for answer in self._answers(pipe) if answer is True)
+
+        written: int | None = self._call(run)
+        return written or 0
+
+    def delete_many(self, keys: Sequence[bytes]) -> bool:
+        def run(client: Any) -> bool:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.delete(key)
+            self._answers(pipe)
+            return True
+
+        return bool(self._call(run))
+
+    def _answers(self, pipe: Any) -> list[Any]:
+        """Run a pipeline; a command the server refused (a key of another type, an
+        out-of-memory refusal) answers None, counted, and leaves the others standing."""
+        answers = list(pipe.execute(raise_on_error=False))
+        for i, answer in enumerate(answers):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, self._answer_errors):
+                    raise answer  # the connection failed: the whole call did
+                self.stats.refused_commands += 1
+                answers[i] = None
+        return answers
+
+    def _call(self, run: Callable[[Any], Any], quiet: bool = False) -> Any:
+        if self._down and self._clock() < self._retry_at:
+            self.stats.skipped_calls += 1
+            return None
+        try:
+            if self._client is None:
+                self._client = self._make_client()
+            result = run(self._client)
+        except self._errors as error:
+            self._failed(error, quiet)
+            return None
+        if self._down:
+            self._down = False
+            self.stats.reconnects += 1
+            logger.info("the remote tier at %s answers again", self.where)
+        self._backoff = self.config.reconnect_min_ms / 1000
+        return result
+
+    def _failed(self, error: BaseException, quiet: bool) -> None:
+        self.stats.errors += 1
+        if not self._down and not quiet:
+            logger.warning("the remote tier at %s failed (%s): backing off", self.where, error)
+        self._down = True
+        self._retry_at = self._clock() + self._backoff
+        self._backoff = min(self._backoff * 2, self.config.reconnect_max_ms / 1000)
+        if self.config.cluster or len(self.config.urls) > 1:
+            self._drop_client()  # a cluster client is rebuilt: its topology may have changed
+
+    def _make_client(self) -> Any:
+        import valkey
+        from valkey.cluster import ClusterNode, ValkeyCluster
+
+        config = self.config
+        timeout = config.timeout_ms / 1000
+        options: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout)
+        first = urlsplit(config.urls[0])
+        password = first.password or os.environ.get(config.password_env) or None
+        if password is not None and first.password is None:
+            options["password"] = password
+        if config.cluster or len(config.urls) > 1:
+            nodes = [
+                ClusterNode(urlsplit(url).hostname or "localhost", urlsplit(url).port or 6379)  # type: ignore[no-untyped-call]
+                for url in config.urls
+            ]
+            if first.password is not None:
+                options["password"] = first.password
+            if first.username:
+                options["username"] = first.username
+            if first.scheme in ("valkeys", "rediss"):
+                options["ssl"] = True
+            return ValkeyCluster(startup_nodes=nodes, cluster_error_retry_attempts=1, **options)
+        return valkey.Valkey.from_url(config.urls[0], **options)
+
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(*self._errors):
+                client.close()
+
+    def close(self) -> None:
+        self._drop_client()
+
+
+class WriteBack:
+    """Writes queued values from a thread of its own, in pipelined batches."""
+
+    BATCH_VALUES = 64
+    BATCH_BYTES = 16 << 20
+
+    def __init__(self, store: RemoteStore, max_pending: int) -> None:
+        self.store = store
+        self._max_pending = max_pending
+        self._queue: deque[tuple[bytes, bytes]] = deque()
+        self._busy = False
+        self._closed = False
+        self._condition = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kvpool-remote-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, items: list[tuple[bytes, bytes]]) -> None:
+        """Queue values to write; those beyond the queue's bound are dropped (counted)."""
+        with self._condition:
+            room = max(0, self._max_pending - len(self._queue))
+            self._queue.extend(items[:room])
+            stats = self.store.stats
+            stats.queued_writes += min(room, len(items))
+            stats.dropped_writes += max(0, len(items) - room)
+            self._condition.notify()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued value was written (or failed); False on timeout."""
+        with self._condition:
+            return self._condition.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def close(self, timeout: float) -> None:
+        """Write what is queued (up to `timeout` seconds), then stop the thread."""
+        self.flush(timeout)
+        with self._condition:
+            self._closed = True
+            self._queue.clear()
+            self._condition.notify_all()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        store = self.store
+        while True:
+            with self._condition:
+                self._condition.wait_for(lambda: self._queue or self._closed)
+                if self._closed:
+                    return
+                batch: list[tuple[bytes, bytes]] = []
+                size = 0
+                while self._queue and len(batch) < self.BATCH_VALUES and size < self.BATCH_BYTES:
+                    item = self._queue.popleft()
+                    batch.append(item)
+                    size += len(item[1])
+                self._busy = True
+            try:
+                written = store.set_many(batch)
+                store.stats.written_values += written
+                store.stats.failed_writes += len(batch) - written
+                if written == len(batch):
+                    store.stats.bytes_written += size
+            except BaseException:  # a bug: count it and keep the thread alive
+                store.stats.failed_writes += len(batch)
+                logger.exception("the remote write-back failed")
+            finally:
+                with self._condition:
+                    self._busy = False
+                    self._condition.notify_all()
+
+
+__all__ = ["RemoteStatistics", "RemoteStore", "WriteBack", "url_without_password"]

@@ -1,0 +1,191 @@
+"""The shared tier below the local levels: what goes to it, what a lookup finds, what a fetch
+brings back.
+
+- Write-back: a committed full block's page that leaves the last local level is written to the
+  store (by the write-back thread) instead of only being dropped.
+- Lookup (`create_kv_cache`, `probe_reuse`): past the local prefix, one pipelined existence
+  query for the next blocks of the prompt, every layer group of each; the longest prefix whose
+  blocks hold every page resuming at its end needs (the rule of the local tree: full attention
+  every block, a window its sinks and tail, SSM a snapshot at the end) is the remote hit.
+- Fetch (`resume()`, `prefetch()`): the pages that prefix needs, in one pipelined read, each
+  value checked. A value gone or failing its check shortens the prefix to the blocks before it
+  (the pages the shorter prefix needs are fetched in turn), never leaves a hole, never raises.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from hashlib import sha256
+
+from kvpool.config import RemoteCacheTierConfig
+from kvpool.layout import KVLayout
+from kvpool.lifecycles import AttentionLifeCycle
+from kvpool.records import Page
+from kvpool.remote.store import RemoteStatistics, RemoteStore, WriteBack
+from kvpool.remote.values import decode_value, encode_value, key_of, namespace_of
+from kvpool.tokens import Token, encode_checked
+
+Pair = tuple[int, int]  # (block index, layer group)
+
+
+@dataclass
+class RemotePrefix:
+    """Blocks [start, end) of a request's prompt that the remote tier holds, past its local
+    prefix of `start` blocks."""
+
+    start: int
+    end: int
+    parent_key: bytes  # the key of block start - 1 (the scope's key when start is 0)
+    keys: list[bytes]  # chained keys of blocks start .. end - 1
+    datas: list[bytes]  # their encoded tokens
+    tokens: list[Token]  # the prompt's first end x tokens-per-block tokens
+
+
+class RemoteTier:
+    """A manager's view of the shared store."""
+
+    def __init__(
+        self,
+        config: RemoteCacheTierConfig,
+        layout: KVLayout,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.namespace = namespace_of(layout, config.model_id, config.namespace)
+        self._tpb = layout.tokens_per_block
+        self._payload_bytes = [pool_group.slot_bytes for pool_group in layout.pool_groups]
+        self._groups = list(enumerate(layout.life_cycles))
+        self._full = [
+            g for g, lc in self._groups if isinstance(lc, AttentionLifeCycle) and lc.window is None
+        ]
+        self.store = RemoteStore(config, clock)
+        self.store.connect()
+        self._writer = WriteBack(RemoteStore(config, clock), config.max_pending_writes)
+        self._stats = RemoteStatistics()  # fetch and hit counters (the stores count the rest)
+
+    @property
+    def statistics(self) -> RemoteStatistics:
+        return self._stats + self.store.stats + self._writer.store.stats
+
+    def key(self, block_key: bytes, layer_group: int) -> bytes:
+        return key_of(self.namespace, block_key, layer_group)
+
+    # -- which pages a prefix needs --------------------------------------------------------------
+
+    def needed(self, start: int, end: int) -> list[Pair]:
+        """The pages of blocks [start, end) that resuming after block end - 1 needs."""
+        tpb, length = self._tpb, end * self._tpb
+        pairs: list[Pair] = []
+        for g, life_cycle in self._groups:
+            if not isinstance(life_cycle, AttentionLifeCycle):
+                pairs.append((end - 1, g))  # an SSM state snapshot at the end
+                continue
+            beg, stale_end = life_cycle.stale_range(length, tpb)
+            pairs += [(i, g) for i in range(start, end) if not beg <= i < stale_end]
+        return pairs
+
+    def usable_end(self, start: int, end: int, has: Callable[[int, int], bool]) -> int:
+        """The largest end' <= `end` whose needed pages all pass `has` (`start` if none)."""
+        for i in range(start, end):  # every full-attention page is needed: cap at the first gap
+            if not all(has(i, g) for g in self._full):
+                end = i
+                break
+        while end > start and not all(has(i, g) for i, g in self.needed(start, end)):
+            end -= 1
+        return end
+
+    # -- lookup and fetch ------------------------------------------------------------------------
+
+    def lookup(self, parent_key: bytes, tokens: Sequence[Token], start: int) -> RemotePrefix | None:
+        """The remote part of the prefix of `tokens` past its first `start` (local) blocks."""
+        tpb = self._tpb
+        count = min(len(tokens) // tpb - start, self.config.max_lookup_blocks)
+        if count <= 0:
+            return None
+        keys, datas = [], []
+        key = parent_key
+        for index in range(start, start + count):
+            data = encode_checked(tokens[index * tpb : (index + 1) * tpb])
+            key = sha256(key + data).digest()
+            keys.append(key)
+            datas.append(data)
+        groups = len(self._groups)
+        found = self.store.exists([self.key(k, g) for k in keys for g in range(groups)])
+        if found is None:
+            return None
+        self._stats.lookups += 1
+        end = self.usable_end(start, start + count, lambda i, g: found[(i - start) * groups + g])
+        if end == start:
+            return None
+        self._stats.found_blocks += end - start
+        n = end - start
+        return RemotePrefix(start, end, parent_key, keys[:n], datas[:n], list(tokens[: end * tpb]))
+
+    def fetch(self, prefix: RemotePrefix) -> tuple[int, dict[Pair, bytes]]:
+        """Read the pages `prefix` needs; returns the end it can keep (shortened past a value
+        that is gone or fails its check) and the payload of each page that end needs."""
+        start, end = prefix.start, prefix.end
+        fetched: dict[Pair, bytes | None] = {}
+        while end > start:
+            wanted = [pair for pair in self.needed(start, end) if pair not in fetched]
+            if wanted:
+                keys = [self.key(prefix.keys[i - start], g) for i, g in wanted]
+                values = self.store.get_many(keys)
+                for (i, g), value in zip(wanted, values or [None] * len(wanted), strict=True):
+                    size = self._payload_bytes[self.layout.pool_group_of[g]]
+                    payload = decode_value(self.namespace, value, size)
+                    if payload is not None:
+                        self._stats.bytes_read += len(value)  # type: ignore[arg-type]
+                    elif values is not None:
+                        if value is None:
+                            self._stats.missing_values += 1
+                        else:
+                            self._stats.corrupt_values += 1
+                    fetched[i, g] = payload
+            shorter = self.usable_end(start, end, lambda i, g: fetched.get((i, g)) is not None)
+            if shorter == end:
+                break
+            end = shorter
+        if end == start:
+            return start, {}
+        return end, {pair: fetched[pair] for pair in self.needed(start, end)}  # type: ignore[misc]
+
+    def note_hit(self, blocks: int) -> None:
+        self._stats.fetched_blocks += blocks
+        self._stats.hit_tokens += blocks * self._tpb
+
+    # -- write-back ------------------------------------------------------------------------------
+
+    def write_back(self, pages: Sequence[Page], read: Callable[[Page], bytes]) -> None:
+        """Queue the bytes (`read(page)`) of the committed full blocks' pages among `pages`,
+        about to be dropped from the last local level. A page whose bytes cannot be read is
+        skipped (counted as a failed write)."""
+        tpb = self._tpb
+        items = []
+        for page in pages:
+            block = page.block
+            if block is None or block.num_tokens != tpb:
+                continue
+            try:
+                payload = read(page)
+            except OSError:
+                self._stats.failed_writes += 1
+                continue
+            value = encode_value(self.namespace, payload)
+            items.append((self.key(block.key, page.layer_group), value))
+        if items:
+            self._writer.submit(items)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._writer.flush(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._writer.close(timeout)
+        self._writer.store.close()
+        self.store.close()
+
+
+__all__ = ["RemotePrefix", "RemoteTier"]

@@ -1,0 +1,514 @@
+"""The shared remote tier against real valkey-server processes (started on free ports, stopped
+even when a test fails): write-back of dropped blocks, reuse across managers and processes with
+the bytes verified, isolation, bad values, the server's own eviction, a server that dies,
+stalls or is absent, and a 3-node cluster."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import time
+
+import pytest
+
+from kvpool import (
+    ConfigError,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
+    RemoteCacheTierConfig,
+    ReuseScope,
+    StorageError,
+)
+from kvpool.remote.values import HEADER_BYTES, KEY_PREFIX
+from kvpool.tokens import root_key
+from tests.engine_check import CheckingEngine
+from tests.helpers import MiB, hybrid_layers, make_config, record_layer, shutdown
+from tests.valkey_servers import ValkeyServer, server_binary, start_cluster
+
+pytestmark = pytest.mark.skipif(server_binary() is None, reason="no valkey-server binary")
+
+TPB = 16
+REPEATS = 64  # 16 KiB buffers: 64 KiB pages (two layers, K and V), 32 per 2 MiB grain
+PAGE_BYTES = 4 * 16 * REPEATS * TPB
+FULL = [record_layer(i, TPB, repeats=REPEATS) for i in range(2)]
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = ValkeyServer(tmp_path / "valkey").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def managers():
+    made = []
+
+    def make(url, layers=FULL, gpu_mib=2, host_mib=0, **remote):
+        tiers = [GpuCacheTierConfig(gpu_mib * MiB)]
+        if host_mib:
+            tiers.append(HostCacheTierConfig(host_mib * MiB))
+        remote.setdefault("timeout_ms", 1000)
+        m = KVCacheManager(
+            make_config(
+                layers=layers,
+                tokens_per_block=TPB,
+                tiers=tiers,
+                remote_tier=RemoteCacheTierConfig(url, **remote),
+            )
+        )
+        made.append(m)
+        return m, CheckingEngine(m)
+
+    yield make
+    for m in made:
+        if not m._closed:
+            shutdown(m)
+
+
+def prompt_of(n, blocks):
+    """A prompt of `blocks` full blocks, distinct per n."""
+    return [n * 10_000 + i for i in range(blocks * TPB)]
+
+
+def compute(m, engine, tokens, scope=None):
+    """Run one request over `tokens` (reusing what it can), checking every record; returns the
+    tokens it reused."""
+    cache = m.create_kv_cache(scope, tokens[:-1])
+    assert cache.resume()
+    reused = cache.num_committed_tokens
+    engine.check(cache, tokens)
+    assert engine.step(cache, tokens, tokens[reused:])
+    engine.check(cache, tokens)
+    cache.close()
+    return reused
+
+
+def local_match(m, tokens, scope=None):
+    return m._tree.match(root_key(scope), tokens, False).num_tokens
+
+
+def fill_remote(m, engine, prompts, scope=None):
+    """Compute every prompt, then push them all out of the local levels (into the remote
+    tier) by computing unrelated ones, and wait for the writes."""
+    for tokens in prompts:
+        assert compute(m, engine, tokens, scope) == 0
+    n = 0
+    while any(local_match(m, tokens, scope) for tokens in prompts):
+        compute(m, engine, prompt_of(900 + n, 4))
+        n += 1
+        assert n < 1000
+    assert m.flush_remote_writes(10)
+
+
+def remote_keys(server):
+    return [k for k in server.client().keys(b"*") if k.startswith(KEY_PREFIX)]
+
+
+# -- write-back and reuse ------------------------------------------------------------------------
+
+
+def test_blocks_dropped_from_the_last_level_are_reused_by_another_manager(server, managers):
+    a, engine_a = managers(server.url)
+    prompts = [prompt_of(n, 3) for n in range(4)]
+    fill_remote(a, engine_a, prompts)
+    stats = a.remote_statistics()
+    assert a.num_dropped_pages > 0 and stats.written_values == a.num_dropped_pages
+    assert stats.bytes_written == stats.written_values * (PAGE_BYTES + HEADER_BYTES)
+    assert len(remote_keys(server)) == stats.written_values
+
+    b, engine_b = managers(server.url)
+    for tokens in prompts:
+        # the last block is left out of the lookup (the prompt's last token is recomputed)
+        assert b.probe_reuse(None, tokens[:-1]) == 2 * TPB
+        assert compute(b, engine_b, tokens) == 2 * TPB  # bytes a wrote, checked by b
+    stats = b.remote_statistics()
+    assert stats.fetched_blocks == 8 and stats.hit_tokens == 8 * TPB
+    assert stats.missing_values == stats.corrupt_values == stats.errors == 0
+    # fetched blocks went into b's tree: a third request reuses them locally
+    assert b.probe_reuse(None, prompts[-1]) == 3 * TPB
+
+
+def test_a_remote_prefix_continues_a_local_one(server, managers):
+    a, engine_a = managers(server.url)
+    base = prompt_of(1, 4)
+    fill_remote(a, engine_a, [base])
+    b, engine_b = managers(server.url)
+    assert compute(b, engine_b, base[: 2 * TPB + 1]) == 2 * TPB  # blocks 0, 1 from the server
+    keys = stored_value_keys(server, b, base)
+    server.client().delete(*keys[0], *keys[1])
+    assert local_match(b, base) == 2 * TPB
+    # blocks 2 and 3 chain on from b's local blocks 0 and 1
+    assert b.probe_reuse(None, base) == 4 * TPB
+    assert compute(b, engine_b, base + [5]) == 4 * TPB
+    assert b.remote_statistics().fetched_blocks == 4
+
+
+def test_hybrid_layout_fetches_only_the_pages_a_resume_needs(server, managers):
+    layers = hybrid_layers(TPB, num_layers=4, window=2 * TPB, sinks=4, repeats=REPEATS)
+    a, engine_a = managers(server.url, layers=layers)
+    prompts = [prompt_of(n, 6) for n in range(3)]
+    fill_remote(a, engine_a, prompts)
+    b, engine_b = managers(server.url, layers=layers)
+    before = b.remote_statistics().bytes_read
+    assert compute(b, engine_b, prompts[0]) == 5 * TPB
+    # full attention: blocks 0-4; window of 32 tokens + sink block: blocks 0, 3, 4
+    assert b.remote_statistics().bytes_read - before == (5 + 3) * (PAGE_BYTES + HEADER_BYTES)
+
+
+def worker_fill(url, prompts, result):
+    m = KVCacheManager(
+        make_config(
+            layers=FULL,
+            tokens_per_block=TPB,
+            tiers=[GpuCacheTierConfig(2 * MiB)],
+            remote_tier=RemoteCacheTierConfig(url),
+        )
+    )
+    engine = CheckingEngine(m)
+    fill_remote(m, engine, prompts)
+    result.put(m.remote_statistics().written_values)
+    shutdown(m)
+
+
+def test_two_processes_share_prefixes_byte_for_byte(server, managers):
+    prompts = [prompt_of(n, 4) for n in range(3)]
+    context = multiprocessing.get_context("spawn")
+    result = context.Queue()
+    process = context.Process(target=worker_fill, args=(server.url, prompts, result))
+    process.start()
+    process.join(60)
+    assert process.exitcode == 0
+    assert result.get(timeout=5) > 0
+    b, engine_b = managers(server.url)
+    for tokens in prompts:
+        assert compute(b, engine_b, tokens + [1]) == 4 * TPB
+    assert engine_b.records_checked > 0 and b.remote_statistics().fetched_blocks == 12
+
+
+# -- isolation -----------------------------------------------------------------------------------
+
+
+def test_scopes_models_tenants_and_layouts_never_read_each_other(server, managers):
+    a, engine_a = managers(server.url, model_id="m1", namespace="t1")
+    tokens = prompt_of(3, 3)
+    fill_remote(a, engine_a, [tokens], scope=ReuseScope(lora_id=1))
+    assert (
+        managers(server.url, model_id="m1", namespace="t1")[0].probe_reuse(
+            ReuseScope(lora_id=1), tokens
+        )
+        == 3 * TPB
+    )
+    others = [
+        (dict(model_id="m1", namespace="t1"), FULL, ReuseScope(lora_id=2)),
+        (dict(model_id="m1", namespace="t1"), FULL, None),
+        (dict(model_id="m2", namespace="t1"), FULL, ReuseScope(lora_id=1)),
+        (dict(model_id="m1", namespace="t2"), FULL, ReuseScope(lora_id=1)),
+        (dict(model_id="m1", namespace="t1"), [record_layer(i, TPB, repeats=32) for i in range(2)],
+         ReuseScope(lora_id=1)),
+        (dict(model_id="m1", namespace="t1"), [record_layer(i, TPB, repeats=64) for i in range(3)],
+         ReuseScope(lora_id=1)),
+    ]  # fmt: skip
+    for remote, layers, scope in others:
+        m, engine = managers(server.url, layers=layers, **remote)
+        assert m.probe_reuse(scope, tokens) == 0
+        assert compute(m, engine, tokens, scope) == 0
+        assert m.remote_statistics().fetched_blocks == 0
+
+
+# -- bad values, vanished values, the server's eviction ------------------------------------------
+
+
+def stored_value_keys(server, manager, tokens):
+    """The remote keys of `tokens`' blocks, per block, in order: [(key of group 0, ...)]."""
+    from hashlib import sha256
+
+    from kvpool.tokens import encode_checked, root_key
+
+    tier = manager._remote
+    key, keys = root_key(None), []
+    for i in range(len(tokens) // TPB):
+        key = sha256(key + encode_checked(tokens[i * TPB : (i + 1) * TPB])).digest()
+        keys.append([tier.key(key, g) for g in range(len(manager.layout.life_cycles))])
+    return keys
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header", "other-type"])
+def test_a_damaged_value_is_a_miss_and_shortens_the_prefix(server, managers, damage):
+    a, engine_a = managers(server.url)
+    tokens = prompt_of(4, 5)
+    fill_remote(a, engine_a, [tokens])
+    b, engine_b = managers(server.url)
+    client = server.client()
+    key = stored_value_keys(server, b, tokens)[2][0]  # block 2's page
+    value = client.get(key)
+    assert value is not None and len(value) == HEADER_BYTES + PAGE_BYTES
+    if damage == "flip":
+        client.set(key, value[:-5] + bytes([value[-5] ^ 1]) + value[-4:])
+    elif damage == "truncate":
+        client.set(key, value[: len(value) // 2])
+    elif damage == "header":
+        client.set(key, b"KVPR" + bytes([9]) + value[5:])
+    else:
+        client.delete(key)
+        client.rpush(key, b"not a string")  # GET answers WRONGTYPE for this key alone
+    cache = b.create_kv_cache(None, tokens[:-1])
+    assert cache.num_committed_tokens == 4 * TPB  # the lookup only asks whether keys exist
+    assert cache.resume()
+    assert cache.num_committed_tokens == 2 * TPB  # blocks 0 and 1; nothing after the bad one
+    engine_b.check(cache, tokens)
+    assert engine_b.step(cache, tokens, tokens[2 * TPB :])
+    engine_b.check(cache, tokens)
+    cache.close()
+    stats = b.remote_statistics()
+    if damage == "other-type":
+        assert stats.refused_commands == 1 and stats.errors == 0
+    else:
+        assert stats.corrupt_values == 1
+    assert stats.fetched_blocks == 2
+    assert b.remote_statistics().errors == 0
+
+
+def test_a_value_evicted_between_lookup_and_fetch_ends_the_prefix_there(server, managers):
+    a, engine_a = managers(server.url)
+    tokens = prompt_of(5, 6)
+    fill_remote(a, engine_a, [tokens])
+    b, engine_b = managers(server.url)
+    cache = b.create_kv_cache(None, tokens[:-1])
+    assert cache.num_committed_tokens == 5 * TPB
+    server.client().delete(stored_value_keys(server, b, tokens)[3][0])
+    assert cache.resume()
+    assert cache.num_committed_tokens == 3 * TPB
+    assert b.remote_statistics().missing_values == 1
+    engine_b.check(cache, tokens)
+    assert engine_b.step(cache, tokens, tokens[3 * TPB :])
+    engine_b.check(cache, tokens)
+    cache.close()
+    # the recomputed blocks 3.. are cached locally now; 0..2 came from the remote tier
+    assert b.probe_reuse(None, tokens) == 6 * TPB
+
+
+def test_prefetch_to_the_host_level_loads_the_remote_prefix(server, managers):
+    a, engine_a = managers(server.url)
+    tokens = prompt_of(6, 4)
+    fill_remote(a, engine_a, [tokens])
+    b, engine_b = managers(server.url, host_mib=2)
+    cache = b.create_kv_cache(None, tokens[:-1])
+    assert cache.prefetch(1)
+    assert {page.level for page in cache.pages(0) if page is not None} == {1}
+    assert cache.num_committed_tokens == 3 * TPB
+    assert cache.resume()
+    engine_b.check(cache, tokens)
+    cache.close()
+
+
+def test_the_server_evicting_under_maxmemory_leaves_only_whole_prefixes(tmp_path, managers):
+    server = ValkeyServer(
+        tmp_path / "lru", extra=("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
+    ).start()
+    try:
+        a, engine_a = managers(server.url)
+        prompts = [prompt_of(n, 4) for n in range(40)]  # 160 values of 64 KiB: 10 MiB
+        fill_remote(a, engine_a, prompts)
+        info = server.client().info("stats")
+        assert info["evicted_keys"] > 0
+        b, engine_b = managers(server.url, gpu_mib=4)
+        reused = [compute(b, engine_b, tokens + [1]) for tokens in prompts]
+        assert 0 < sum(reused) < 40 * 4 * TPB
+        assert all(r % TPB == 0 for r in reused)
+    finally:
+        server.stop()
+
+
+# -- the server failing --------------------------------------------------------------------------
+
+
+def test_a_server_down_at_start_is_a_clear_error_or_a_warning(tmp_path, managers, caplog):
+    down = ValkeyServer(tmp_path / "down")
+    with pytest.raises(StorageError, match=rf"127\.0\.0\.1:{down.port}.*does not answer"):
+        managers(down.url, timeout_ms=200)
+    with caplog.at_level(logging.WARNING, logger="kvpool.remote"):
+        m, engine = managers(down.url, timeout_ms=200, tolerate_unavailable=True,
+                             reconnect_min_ms=50, reconnect_max_ms=50)  # fmt: skip
+    assert "does not answer" in caplog.text
+    fill_remote(m, engine, [prompt_of(7, 3)])  # runs degraded: nothing remote, nothing fails
+    stats = m.remote_statistics()
+    assert stats.errors + stats.skipped_calls > 0 and stats.written_values == 0
+    down.start()
+    try:
+        time.sleep(0.1)
+        fill_remote(m, engine, [prompt_of(8, 3)])
+        stats = m.remote_statistics()
+        assert stats.reconnects >= 1 and stats.written_values > 0
+    finally:
+        down.stop()
+
+
+def test_a_server_killed_mid_run_loses_no_local_kv_and_is_rejoined(server, managers):
+    m, engine = managers(server.url, host_mib=2, reconnect_min_ms=50, reconnect_max_ms=200)
+    held = m.create_kv_cache(None, [])
+    held_tokens = prompt_of(10, 3)
+    assert held.resume() and engine.step(held, held_tokens, held_tokens)
+    fill_remote(m, engine, [prompt_of(11, 3)])
+    server.kill()
+    t0 = time.monotonic()
+    for n in range(12, 20):  # drops, lookups and fetches against a dead server
+        assert compute(m, engine, prompt_of(n, 3)) == 0
+    assert m.flush_remote_writes(10)
+    assert time.monotonic() - t0 < 5
+    stats = m.remote_statistics()
+    assert stats.errors > 0 and stats.failed_writes > 0
+    engine.check(held, held_tokens)  # local KV is intact
+    server.start()  # same port, empty
+    time.sleep(0.3)
+    fill_remote(m, engine, [prompt_of(30, 3)])
+    assert m.remote_statistics().reconnects >= 1
+    fresh, engine_f = managers(server.url)
+    assert compute(fresh, engine_f, prompt_of(30, 3) + [1]) == 3 * TPB
+    held.close()
+
+
+def test_a_stalled_server_costs_a_call_at_most_its_timeout(server, managers):
+    m, engine = managers(server.url, timeout_ms=200, reconnect_min_ms=1000, reconnect_max_ms=1000)
+    tokens = prompt_of(40, 3)
+    fill_remote(m, engine, [tokens])
+    b, engine_b = managers(server.url, timeout_ms=200, reconnect_min_ms=1000,
+                           reconnect_max_ms=1000)  # fmt: skip
+    server.pause()
+    try:
+        t0 = time.monotonic()
+        cache = b.create_kv_cache(None, tokens[:-1])
+        first = time.monotonic() - t0
+        assert cache.num_committed_tokens == 0  # no answer: a miss
+        assert first < 0.2 * 3 + 0.3
+        cache.close()
+        t0 = time.monotonic()
+        for _ in range(5):  # backing off: no more waiting
+            b.create_kv_cache(None, tokens[:-1]).close()
+        assert time.monotonic() - t0 < 0.2
+        assert b.remote_statistics().skipped_calls == 5
+    finally:
+        server.unpause()
+    time.sleep(1.1)
+    assert compute(b, engine_b, tokens + [1]) == 3 * TPB
+
+
+# -- cluster -------------------------------------------------------------------------------------
+
+
+def test_a_three_node_cluster_spreads_and_serves_the_blocks(tmp_path, managers):
+    nodes = start_cluster(tmp_path / "cluster", 3)
+    try:
+        urls = [node.url.rsplit("/", 1)[0] for node in nodes]
+        a, engine_a = managers(urls)
+        prompts = [prompt_of(n, 3) for n in range(6)]
+        fill_remote(a, engine_a, prompts)
+        counts = [node.client().dbsize() for node in nodes]
+        assert all(c > 0 for c in counts) and sum(counts) == a.remote_statistics().written_values
+        b, engine_b = managers(urls[1], cluster=True)  # one seed is enough
+        for tokens in prompts:
+            assert compute(b, engine_b, tokens + [1]) == 3 * TPB
+        assert b.remote_statistics().fetched_blocks == 18
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (dict(url="http://x:1"), "remote_tier.url"),
+        (dict(url="valkey://"), "remote_tier.url"),
+        (dict(url=[]), "remote_tier.url"),
+        (dict(url=["valkey://a:1", "tcp://b:2"]), r"remote_tier.url\[1\]"),
+        (dict(url=5), "remote_tier.url"),
+        (dict(url="valkey://a:port"), "remote_tier.url"),
+        (dict(url="valkey://a:1/zero"), "remote_tier.url"),
+        (dict(url="valkey://:1"), "remote_tier.url"),
+        (dict(url="valkey://a:1", timeout_ms=0), "remote_tier.timeout_ms"),
+        (dict(url="valkey://a:1", max_pending_writes=-1), "remote_tier.max_pending_writes"),
+        (dict(url="valkey://a:1", max_lookup_blocks=1.5), "remote_tier.max_lookup_blocks"),
+        (dict(url="valkey://a:1", reconnect_max_ms=10), "remote_tier.reconnect_max_ms"),
+        (dict(url="valkey://a:1", cluster="yes"), "remote_tier.cluster"),
+        (dict(url="valkey://a:1", namespace=3), "remote_tier.namespace"),
+    ],
+)
+def test_bad_remote_config_is_refused_by_field(fields, named):
+    config = make_config(remote_tier=RemoteCacheTierConfig(**fields))
+    with pytest.raises(ConfigError, match=named):
+        KVCacheManager(config)
+
+
+# -- kvpool replay --remote ----------------------------------------------------------------------
+
+TINY_MODEL = {
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "torch_dtype": "float16",
+    "max_position_embeddings": 8192,
+    "vocab_size": 1000,
+}
+
+
+def test_a_second_replay_reuses_what_the_first_left_in_the_server(
+    server, tmp_path, capsys, monkeypatch
+):
+    import json
+
+    from kvpool import _debug
+    from kvpool.cli import main
+
+    monkeypatch.setattr(_debug, "DEBUG", False)  # (--verify checks every KV record anyway)
+    model = tmp_path / "config.json"
+    model.write_text(json.dumps(TINY_MODEL))
+    argv = ["replay", "--requests", "40", "--hf-config", str(model), "--gpu", "2MiB"]
+    argv += ["--host", "0", "--verify", "--no-progress", "--remote", server.url]
+    reports = []
+    for run in range(2):
+        out = tmp_path / f"run{run}.json"
+        assert main([*argv, "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text())["report"])
+    printed = capsys.readouterr().out
+    assert "served from REMOTE" in printed
+    first, second = reports
+    assert first["remote"]["written_values"] > 0 and first["dropped_pages"] > 0
+    # the second replay finds the first one's dropped blocks (KV records verified)
+    assert second["remote_hit_tokens"] > first["remote_hit_tokens"] + 5000
+    assert second["hit_tokens"] == sum(second["hit_tokens_by_level"]) + second["remote_hit_tokens"]
+    assert second["hit_rate"] > first["hit_rate"] + 0.05
+    assert second["records_verified"] > 0
+    assert second["remote"]["missing_values"] == second["remote"]["corrupt_values"] == 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--remote", "http://h:1"], "--remote"),
+        (["--remote", "valkey://h:1", "--capacity-blocks", "10"], "takes no --remote"),
+        (["--remote-cluster"], "needs --remote"),
+    ],
+)
+def test_replay_remote_flags_are_checked_before_any_work(capsys, extra, fragment):
+    from kvpool.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["replay", "--requests", "2", "--no-progress", *extra])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and fragment in err and err.count("\n") == 1
+
+
+def test_replay_against_a_server_that_is_down_is_a_one_line_error(tmp_path, capsys):
+    from kvpool.cli import main
+
+    down = ValkeyServer(tmp_path / "down")
+    status = main(["replay", "--requests", "2", "--no-progress", "--remote", down.url])
+    err = capsys.readouterr().err
+    assert status == 2 and "does not answer" in err and err.count("\n") == 1, err
