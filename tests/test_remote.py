@@ -12,12 +12,14 @@ import time
 import pytest
 
 from kvpool import (
+    BufferConfig,
     ConfigError,
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManager,
     RemoteCacheTierConfig,
     ReuseScope,
+    SsmLayerConfig,
     StorageError,
 )
 from kvpool.remote.values import HEADER_BYTES, KEY_PREFIX
@@ -155,6 +157,38 @@ def test_hybrid_layout_fetches_only_the_pages_a_resume_needs(server, managers):
     assert compute(b, engine_b, prompts[0]) == 5 * TPB
     # full attention: blocks 0-4; window of 32 tokens + sink block: blocks 0, 3, 4
     assert b.remote_statistics().bytes_read - before == (5 + 3) * (PAGE_BYTES + HEADER_BYTES)
+
+
+def test_ssm_layers_reuse_a_remote_prefix_only_where_a_state_snapshot_was_stored(server, managers):
+    layers = [
+        record_layer(0, TPB, repeats=REPEATS),
+        SsmLayerConfig(1, [BufferConfig("state", 64)]),
+        record_layer(2, TPB, window=32, repeats=REPEATS),
+    ]
+    a, engine_a = managers(server.url, layers=layers, gpu_mib=4)
+    tokens = prompt_of(2, 4)
+    fill_remote(a, engine_a, [tokens])  # one commit of 4 blocks: a snapshot after block 3 only
+    b, engine_b = managers(server.url, layers=layers, gpu_mib=4)
+    assert b.probe_reuse(None, tokens[: 3 * TPB]) == 0  # no state after block 2
+    assert b.probe_reuse(None, tokens) == 4 * TPB
+    assert compute(b, engine_b, tokens + [8]) == 4 * TPB  # SSM state record checked too
+    assert b.remote_statistics().fetched_blocks == 4
+
+
+def test_a_value_copied_under_another_namespaces_key_is_a_miss(server, managers):
+    a, engine_a = managers(server.url, namespace="t1")
+    tokens = prompt_of(3, 3)
+    fill_remote(a, engine_a, [tokens])
+    b, _ = managers(server.url, namespace="t2")
+    client = server.client()
+    keys_a, keys_b = stored_value_keys(server, a, tokens), stored_value_keys(server, b, tokens)
+    for ours, theirs in zip(keys_a, keys_b, strict=True):
+        client.set(theirs[0], client.get(ours[0]))  # a tenant's value planted under t2's key
+    cache = b.create_kv_cache(None, tokens)
+    assert cache.num_committed_tokens == 3 * TPB  # the keys exist...
+    assert cache.resume() and cache.num_committed_tokens == 0  # ...but no value is t2's
+    assert b.remote_statistics().corrupt_values == 3
+    cache.close()
 
 
 def worker_fill(url, prompts, result):

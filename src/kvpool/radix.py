@@ -253,9 +253,12 @@ class RadixTree:
         """`remove_pages` for one page."""
         return self.remove_pages((page,))
 
-    def remove_pages(self, pages: Iterable[Page]) -> Sequence[Page]:
+    def remove_pages(
+        self, pages: Iterable[Page], lost_keys: list[bytes] | None = None
+    ) -> Sequence[Page]:
         """Detach dropped pages from their blocks; return the other pages that lost their block
-        (pages that lost it to an earlier one of `pages` are skipped).
+        (pages that lost it to an earlier one of `pages` are skipped). With `lost_keys`, the key
+        of each returned page's block is appended to it (b"" for a partial block).
 
         Without a full-attention (or sink) page a block and all its descendants can never be
         reused again, so they go. Then childless blocks without any page are pruned upwards.
@@ -295,7 +298,7 @@ class RadixTree:
                     self._prune_upwards(parent)
                 continue
             lost: list[Page] = []
-            self._remove_subtree(block, lost)
+            self._remove_subtree(block, lost, lost_keys)
             if parent is not None:
                 self._prune_upwards(parent)
             orphans = [*orphans, *lost]
@@ -309,8 +312,12 @@ class RadixTree:
         self._spare = []
         return orphans
 
-    def _remove_subtree(self, top: Block, orphans: list[Page]) -> None:
-        """Unlink `top` and everything below it (iteratively, leaf first)."""
+    def _remove_subtree(
+        self, top: Block, orphans: list[Page], keys: list[bytes] | None = None
+    ) -> None:
+        """Unlink `top` and everything below it (iteratively, leaf first); their pages go to
+        `orphans` (and their full blocks' keys to `keys`, if given)."""
+        tpb = self._tokens_per_block
         if top.parent is not None:
             self._unlink(top)
         elif self.roots.get(top.key) is top:
@@ -327,6 +334,8 @@ class RadixTree:
                         page.block = None
                         block[group] = None
                         orphans.append(page)
+                        if keys is not None:
+                            keys.append(block.key if block.num_tokens == tpb else b"")
             self._retire(block)
 
     def _unlink(self, block: Block) -> None:

@@ -7,7 +7,7 @@ import copy
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,7 +112,7 @@ class ManagerCore:
             except BaseException:
                 self._storage.close()
                 raise
-            self._storage.write_back = self._write_back
+            self._storage.on_drop = self._drop_and_write_back
         self.rebalancer = DemandEstimator(self._config, self.layout, clock or time.monotonic)
         self._constrained: dict[int, tuple[object, int, list[float]]] = {}
         self._living: dict[int, KVCache] = {}
@@ -128,9 +128,24 @@ class ManagerCore:
             remote=self._remote,
         )
 
-    def _write_back(self, pages: list[Page]) -> None:
+    def _drop_and_write_back(self, pages: Sequence[Page]) -> Sequence[Page]:
+        """The tree's `remove_pages` with a remote tier: the committed full blocks' pages that
+        leave the last level, and every page of the blocks that lose their reuse with them (at
+        any level), are written to the remote tier before their slots are freed."""
         assert self._remote is not None
-        self._remote.write_back(pages, self._storage.read_page)
+        tpb, storage = self.tokens_per_block, self._storage
+        items: list[tuple[bytes, Page]] = []
+        if pages and pages[0].level == storage.last_level:
+            for page in pages:
+                block = page.block
+                if block is not None and block.num_tokens == tpb:
+                    items.append((block.key, page))
+        keys: list[bytes] = []
+        orphans = self._tree.remove_pages(pages, keys)
+        items += [(key, page) for key, page in zip(keys, orphans, strict=True) if key]
+        if items:
+            self._remote.write_back(items, storage.read_page)
+        return orphans
 
     def _forget(self, cache: RequestState) -> None:
         del self._living[cache.id]

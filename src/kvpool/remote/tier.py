@@ -159,25 +159,24 @@ class RemoteTier:
 
     # -- write-back ------------------------------------------------------------------------------
 
-    def write_back(self, pages: Sequence[Page], read: Callable[[Page], bytes]) -> None:
-        """Queue the bytes (`read(page)`) of the committed full blocks' pages among `pages`,
-        about to be dropped from the last local level. A page whose bytes cannot be read is
-        skipped (counted as a failed write)."""
-        tpb = self._tpb
-        items = []
-        for page in pages:
-            block = page.block
-            if block is None or block.num_tokens != tpb:
-                continue
+    def write_back(
+        self, items: Sequence[tuple[bytes, Page]], read: Callable[[Page], bytes]
+    ) -> None:
+        """Queue the bytes (`read(page)`) of committed full blocks' pages, given with their
+        block's key, that the local levels are about to lose. A page whose bytes cannot be read
+        is skipped (counted as a failed write)."""
+        values = []
+        for block_key, page in items:
             try:
                 payload = read(page)
             except OSError:
                 self._stats.failed_writes += 1
                 continue
-            value = encode_value(self.namespace, payload)
-            items.append((self.key(block.key, page.layer_group), value))
-        if items:
-            self._writer.submit(items)
+            values.append(
+                (self.key(block_key, page.layer_group), encode_value(self.namespace, payload))
+            )
+        if values:
+            self._writer.submit(values)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writer.flush(timeout)

@@ -161,8 +161,6 @@ class Ownership(StorageState):
         pool_group = pages[0].pool_group
         if self.events is not None:
             self.events.append(("drop", level, pool_group, tuple(page.slot_id for page in pages)))
-        if self.write_back is not None and level == self._last_level:
-            self.write_back(pages)
         self.queues[level][pool_group].remove_all(pages)
         orphans = self.on_drop(pages)
         registry = self.pages[level][pool_group]

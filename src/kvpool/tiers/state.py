@@ -36,9 +36,6 @@ class StorageState:
         # Eviction decisions (drops and moves, with slot ids) while a replica check records them;
         # None (the usual case) costs one test per batch.
         self.events: list[tuple[object, ...]] | None = None
-        # Given the pages about to be dropped from the last level (a remote tier writes the
-        # committed ones back); None without a remote tier.
-        self.write_back: Callable[[list[Page]], None] | None = None
 
     @property
     def last_level(self) -> int:
