@@ -469,6 +469,7 @@ def test_a_three_node_cluster_spreads_and_serves_the_blocks(tmp_path, managers):
         (dict(url="valkey://a:1", reconnect_max_ms=10), "remote_tier.reconnect_max_ms"),
         (dict(url="valkey://a:1", cluster="yes"), "remote_tier.cluster"),
         (dict(url="valkey://a:1", namespace=3), "remote_tier.namespace"),
+        (dict(url="valkey://a:1", shard=-1), "remote_tier.shard"),
     ],
 )
 def test_bad_remote_config_is_refused_by_field(fields, named):
@@ -546,3 +547,70 @@ def test_replay_against_a_server_that_is_down_is_a_one_line_error(tmp_path, caps
     status = main(["replay", "--requests", "2", "--no-progress", "--remote", down.url])
     err = capsys.readouterr().err
     assert status == 2 and "does not answer" in err and err.count("\n") == 1, err
+
+
+def test_tensor_parallel_ranks_must_name_their_shard(server, managers):
+    """Ranks hold different KV heads in same-sized pages: without a shard each, rank 1 would
+    read rank 0's heads. The shard is in the namespace, and the agreement checks it."""
+    pytest.importorskip("torch")
+    import datetime
+
+    import torch.distributed as dist
+
+    from kvpool.distributed import Agreement
+    from tests.valkey_servers import free_port
+
+    a, engine_a = managers(server.url, shard=0)
+    tokens = prompt_of(5, 3)
+    fill_remote(a, engine_a, [tokens])
+    assert managers(server.url, shard=0)[0].probe_reuse(None, tokens) == 3 * TPB
+    assert managers(server.url, shard=1)[0].probe_reuse(None, tokens) == 0
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    try:
+        with pytest.raises(ConfigError, match=r"remote_tier.shard=1 is invalid: .* rank \(0\)"):
+            Agreement(managers(server.url, shard=1)[0])
+        Agreement(managers(server.url, shard=1)[0], mode="any")  # data parallel: same heads
+        Agreement(a)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_reference_engine_computes_the_same_tokens_from_another_instances_kv(server):
+    """Real attention over KV that one engine instance computed and another fetched from the
+    server: the same greedy tokens and logits as computing it all."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvpool.engine import Generator, PagedDecoder, manager_config_from_hf
+    from tests.test_engine import hf_model, tiny
+
+    config = tiny("mistral")  # a sliding window of 24 tokens over blocks of 8
+    model = hf_model(config, seed=1)
+
+    def engine():
+        remote = RemoteCacheTierConfig(server.url, model_id="tiny-mistral-seed-1")
+        manager = KVCacheManager(manager_config_from_hf(config, 8, 4 * MiB, remote_tier=remote))
+        return Generator(PagedDecoder(config, model.state_dict(), manager)), manager
+
+    prompts = [list(range(10, 50)) + [1, 2], list(range(60, 90)) + [3]]
+    first_engine, first_manager = engine()
+    first = first_engine.generate(prompts, 8)
+    storage = first_manager._storage  # this instance goes away: its cached pages are dropped
+    storage.drop([page for groups in storage.pages for group in groups for page in group.values()])
+    assert first_manager.flush_remote_writes(10)
+    first_manager.shutdown()
+    second_engine, second_manager = engine()
+    second = second_engine.generate(prompts, 8)
+    assert [r.cached_tokens for r in second] == [40, 24]  # the prompts' full blocks
+    assert second_manager.remote_statistics().fetched_blocks == 5 + 3
+    for ours, theirs in zip(second, first, strict=True):
+        assert ours.tokens == theirs.tokens
+        for a, b in zip(ours.logits, theirs.logits, strict=True):
+            assert torch.allclose(a, b, atol=1e-5)
+    second_manager.clear_reusable_blocks()
+    second_manager.shutdown()

@@ -134,7 +134,10 @@ class RemoteCacheTierConfig:
     make the key prefix). `timeout_ms` bounds every call to the server; `tolerate_unavailable`
     starts in degraded mode (with a warning) instead of failing when the server is down.
     `max_pending_writes` bounds the blocks waiting to be written back (more are dropped, and
-    counted); `max_lookup_blocks` bounds the blocks one lookup asks about.
+    counted); `max_lookup_blocks` bounds the blocks one lookup asks about. `shard` says which
+    part of the model's KV this manager holds: under tensor parallelism, the rank (ranks hold
+    different KV heads in pages of the same layout; managers of different shards never share
+    values; `kvpool.distributed.Agreement` refuses a mismatch).
     """
 
     url: str | Sequence[str]
@@ -148,6 +151,7 @@ class RemoteCacheTierConfig:
     max_lookup_blocks: int = 256
     reconnect_min_ms: int = 100
     reconnect_max_ms: int = 10_000
+    shard: int = 0
 
     @property
     def urls(self) -> list[str]:
@@ -169,6 +173,7 @@ class RemoteCacheTierConfig:
         for field_name in ("timeout_ms", "max_pending_writes", "max_lookup_blocks"):
             _positive_int(f"{name}.{field_name}", getattr(self, field_name))
         _positive_int(f"{name}.reconnect_min_ms", self.reconnect_min_ms)
+        check_int(f"{name}.shard", self.shard, 0, None, ConfigError)
         check_int(
             f"{name}.reconnect_max_ms",
             self.reconnect_max_ms,

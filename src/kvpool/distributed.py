@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kvpool.errors import ArgumentError, DivergenceError
+from kvpool.errors import ArgumentError, ConfigError, DivergenceError
 from kvpool.manager import KVCacheManager
 from kvpool.validation import check_bool, check_int, fail
 
@@ -70,6 +70,12 @@ class Agreement:
         self.size = dist.get_world_size(group)
         self.src = check_int("src", src, 0, self.size - 1)
         self.interval = check_int("interval", interval, 1)
+        remote = manager._config.remote_tier
+        if mode == "broadcast" and remote is not None and remote.shard != self.rank:
+            raise ConfigError(
+                f"remote_tier.shard={remote.shard} is invalid: under tensor parallelism it must "
+                f"be the rank ({self.rank}): ranks hold different KV heads in same-sized pages"
+            )
         self._calls = 0
         self._src_global = src if group is None else dist.get_global_rank(group, src)
         self.check = check

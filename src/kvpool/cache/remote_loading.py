@@ -29,7 +29,7 @@ class RemoteLoading(Commits):
             self._forget_remote()
             return True
         storage, layout, tree = self._ctx.storage, self._ctx.layout, self._ctx.tree
-        by_group: dict[int, list[tuple[int, bytes]]] = {}
+        by_group: dict[int, list[tuple[int, memoryview]]] = {}
         for (index, g), payload in payloads.items():
             by_group.setdefault(g, []).append((index, payload))
         fetched: list[tuple[int, int, Page]] = []

@@ -157,12 +157,13 @@ class Generator:
     def _admit(self, result: Generation) -> bool:
         prompt = result.prompt
         cache = self.manager.create_kv_cache(None, prompt[:-1])
-        reused = cache.num_committed_tokens
-        result.cache, result.cached_tokens = cache, reused
+        result.cache = cache
         if not cache.resume() or not cache.resize(len(prompt)):
             cache.close()
             result.cache = None
             return False
+        # (read after resume(): a prefix found in a remote tier is final only once fetched)
+        result.cached_tokens = cache.num_committed_tokens
         return True
 
     @staticmethod

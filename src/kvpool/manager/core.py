@@ -129,20 +129,26 @@ class ManagerCore:
         )
 
     def _drop_and_write_back(self, pages: Sequence[Page]) -> Sequence[Page]:
-        """The tree's `remove_pages` with a remote tier: the committed full blocks' pages that
-        leave the last level, and every page of the blocks that lose their reuse with them (at
-        any level), are written to the remote tier before their slots are freed."""
+        """The tree's `remove_pages` with a remote tier: the committed full blocks' pages the
+        local levels drop (from the last level, or any level a shrink drops them from), and the
+        pages of the blocks that lose their reuse with them, are written to the remote tier
+        before their slots are freed."""
         assert self._remote is not None
         tpb, storage = self.tokens_per_block, self._storage
         items: list[tuple[bytes, Page]] = []
-        if pages and pages[0].level == storage.last_level:
-            for page in pages:
-                block = page.block
-                if block is not None and block.num_tokens == tpb:
-                    items.append((block.key, page))
+        for page in pages:
+            block = page.block
+            if block is not None and block.num_tokens == tpb:
+                items.append((block.key, page))
         keys: list[bytes] = []
         orphans = self._tree.remove_pages(pages, keys)
-        items += [(key, page) for key, page in zip(keys, orphans, strict=True) if key]
+        if orphans:
+            dropped = {id(page) for page in pages}  # (written above, or not at all)
+            items += [
+                (key, page)
+                for key, page in zip(keys, orphans, strict=True)
+                if key and id(page) not in dropped
+            ]
         if items:
             self._remote.write_back(items, storage.read_page)
         return orphans

@@ -54,7 +54,7 @@ class RemoteTier:
     ) -> None:
         self.config = config
         self.layout = layout
-        self.namespace = namespace_of(layout, config.model_id, config.namespace)
+        self.namespace = namespace_of(layout, config.model_id, config.namespace, config.shard)
         self._tpb = layout.tokens_per_block
         self._payload_bytes = [pool_group.slot_bytes for pool_group in layout.pool_groups]
         self._groups = list(enumerate(layout.life_cycles))
@@ -124,11 +124,11 @@ class RemoteTier:
         n = end - start
         return RemotePrefix(start, end, parent_key, keys[:n], datas[:n], list(tokens[: end * tpb]))
 
-    def fetch(self, prefix: RemotePrefix) -> tuple[int, dict[Pair, bytes]]:
+    def fetch(self, prefix: RemotePrefix) -> tuple[int, dict[Pair, memoryview]]:
         """Read the pages `prefix` needs; returns the end it can keep (shortened past a value
         that is gone or fails its check) and the payload of each page that end needs."""
         start, end = prefix.start, prefix.end
-        fetched: dict[Pair, bytes | None] = {}
+        fetched: dict[Pair, memoryview | None] = {}
         while end > start:
             wanted = [pair for pair in self.needed(start, end) if pair not in fetched]
             if wanted:

@@ -3,7 +3,7 @@
 A key is a fixed prefix, a 16-byte namespace, the block's 32-byte chained key (which already
 includes the reuse scope and the whole prefix) and the layer group. The namespace hashes the
 model's layout (tokens per block, life cycles, every buffer's placement and size), the user's
-model id and the tenant namespace: two models or two tenants never read each other's KV.
+model id, the tenant namespace and the shard: two models or two tenants never read each other's KV.
 
 A value is a header (magic, format version, the namespace again, payload length, CRC-32) and
 the page's bytes, pool by pool. A value that fails any check is a miss, never written into a
@@ -37,9 +37,16 @@ def layout_fingerprint(layout: KVLayout) -> bytes:
     return hashlib.sha256(description.encode()).digest()
 
 
-def namespace_of(layout: KVLayout, model_id: str, namespace: str) -> bytes:
-    """The 16-byte namespace of a layout, model id and tenant namespace."""
-    parts = [b"kvpool-remote", layout_fingerprint(layout), model_id.encode(), namespace.encode()]
+def namespace_of(layout: KVLayout, model_id: str, namespace: str, shard: int = 0) -> bytes:
+    """The 16-byte namespace of a layout, model id, tenant namespace and shard (the part of
+    the model's KV heads a tensor-parallel rank holds)."""
+    parts = [
+        b"kvpool-remote",
+        layout_fingerprint(layout),
+        model_id.encode(),
+        namespace.encode(),
+        str(shard).encode(),
+    ]
     return hashlib.sha256(b"\0".join(len(p).to_bytes(4, "little") + p for p in parts)).digest()[:16]
 
 
@@ -52,13 +59,14 @@ def encode_value(namespace: bytes, payload: bytes) -> bytes:
     return header + payload
 
 
-def decode_value(namespace: bytes, value: bytes | None, expected_length: int) -> bytes | None:
-    """The payload of `value`, or None when it is absent or fails a check (wrong magic,
-    version or namespace, another length than `expected_length`, a bad checksum)."""
+def decode_value(namespace: bytes, value: bytes | None, expected_length: int) -> memoryview | None:
+    """The payload of `value` (a view, no copy), or None when it is absent or fails a check
+    (wrong magic, version or namespace, another length than `expected_length`, a bad
+    checksum)."""
     if value is None or len(value) < HEADER_BYTES:
         return None
     magic, version, stored_namespace, length, checksum = _HEADER.unpack_from(value)
-    payload = value[HEADER_BYTES:]
+    payload = memoryview(value)[HEADER_BYTES:]
     if (
         magic != MAGIC
         or version != VERSION

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from kvpool.config import CacheTier
 from kvpool.errors import CorruptedError, StorageError
 from kvpool.records import Page
@@ -119,17 +121,18 @@ class Migration(Ownership):
         assert page.slot is not None
         group, slot = self.levels[page.level].pool_groups[page.pool_group], page.slot.slot_id
         return b"".join(
-            bytes(memory.read(slot * size, size))
+            memory.read(slot * size, size).data
             for memory, size in zip(group.memories, group.slot_sizes, strict=True)
         )
 
-    def write_page(self, page: Page, payload: bytes) -> None:
+    def write_page(self, page: Page, payload: bytes | memoryview) -> None:
         """Fill the page's slot with `payload`, pool by pool (as `read_page` returns it)."""
         assert page.slot is not None
         group, slot = self.levels[page.level].pool_groups[page.pool_group], page.slot.slot_id
+        source = np.frombuffer(payload, dtype=np.uint8)
         offset = 0
         for memory, size in zip(group.memories, group.slot_sizes, strict=True):
-            memory.write(slot * size, payload[offset : offset + size])
+            memory.write(slot * size, source[offset : offset + size])
             offset += size
 
     def stage(self, pages: Sequence[Page], every: bool = False) -> Staged:
