@@ -614,3 +614,56 @@ def test_the_reference_engine_computes_the_same_tokens_from_another_instances_kv
             assert torch.allclose(a, b, atol=1e-5)
     second_manager.clear_reusable_blocks()
     second_manager.shutdown()
+
+
+@pytest.mark.parametrize("where", ["get", "write-page"])
+def test_ctrl_c_during_a_fetch_changes_nothing_and_the_next_resume_loads_it(
+    server, managers, monkeypatch, where
+):
+    from kvpool.remote.store import RemoteStore
+    from kvpool.tiers.migration import Migration
+
+    a, engine_a = managers(server.url)
+    tokens = prompt_of(6, 4)
+    fill_remote(a, engine_a, [tokens])
+    b, engine_b = managers(server.url)
+    cache = b.create_kv_cache(None, tokens)
+    free_before = [s.available for s in b.get_storage_statistics(0)]
+    calls = []
+    target, name = (RemoteStore, "get_many") if where == "get" else (Migration, "write_page")
+    original = getattr(target, name)
+
+    def interrupted(self, *args):
+        calls.append(1)
+        if len(calls) == 2 or where == "get":
+            raise KeyboardInterrupt
+        return original(self, *args)
+
+    monkeypatch.setattr(target, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cache.resume()
+    monkeypatch.setattr(target, name, original)
+    assert cache.pending_remote_tokens == 4 * TPB and cache.num_committed_tokens == 4 * TPB
+    assert [s.available for s in b.get_storage_statistics(0)] == free_before
+    assert local_match(b, tokens) == 0
+    assert cache.resume() and cache.num_committed_tokens == 4 * TPB
+    engine_b.check(cache, tokens)
+    cache.close()
+
+
+def test_a_server_refusing_writes_when_full_counts_them_and_keeps_serving(tmp_path, managers):
+    server = ValkeyServer(
+        tmp_path / "full", extra=("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    ).start()
+    try:
+        a, engine_a = managers(server.url)
+        prompts = [prompt_of(n, 4) for n in range(16)]  # 4 MiB of values into 2 MiB
+        fill_remote(a, engine_a, prompts)
+        stats = a.remote_statistics()
+        assert stats.refused_commands > 0 and stats.failed_writes == stats.refused_commands
+        assert stats.written_values > 0 and stats.errors == 0
+        b, engine_b = managers(server.url, gpu_mib=4)
+        reused = [compute(b, engine_b, tokens + [1]) for tokens in prompts]
+        assert sum(reused) > 0 and all(r % TPB == 0 for r in reused)
+    finally:
+        server.stop()

@@ -36,16 +36,14 @@ class RemoteLoading(Commits):
         try:
             for g, items in by_group.items():
                 pages = self._new_pages_at_or_below(level, layout.pool_group_of[g], g, len(items))
-                for page, (index, payload) in zip(pages, items, strict=True):
-                    fetched.append((index, g, page))
+                fetched += [(index, g, page) for page, (index, _) in zip(pages, items, strict=True)]
+                for page, (_, payload) in zip(pages, items, strict=True):
                     storage.write_page(page, payload)
-        except OutOfPagesError:
+        except BaseException as error:
             for _, _, page in fetched:
                 storage.settle(page)  # unowned and in no block: freed
-            return False
-        except BaseException:
-            for _, _, page in fetched:
-                storage.settle(page)
+            if isinstance(error, OutOfPagesError):
+                return False
             raise
         parent = (
             tree.root(self._scope_key)
