@@ -360,7 +360,7 @@ def test_the_server_evicting_under_maxmemory_leaves_only_whole_prefixes(tmp_path
 
 def test_a_server_down_at_start_is_a_clear_error_or_a_warning(tmp_path, managers, caplog):
     down = ValkeyServer(tmp_path / "down")
-    with pytest.raises(StorageError, match=rf"127\.0\.0\.1:{down.port}.*does not answer"):
+    with pytest.raises(StorageError, match=rf"127\.0\.0\.1:{down.port}/0 does not answer \(Conn"):
         managers(down.url, timeout_ms=200)
     with caplog.at_level(logging.WARNING, logger="kvpool.remote"):
         m, engine = managers(down.url, timeout_ms=200, tolerate_unavailable=True,
@@ -665,5 +665,23 @@ def test_a_server_refusing_writes_when_full_counts_them_and_keeps_serving(tmp_pa
         b, engine_b = managers(server.url, gpu_mib=4)
         reused = [compute(b, engine_b, tokens + [1]) for tokens in prompts]
         assert sum(reused) > 0 and all(r % TPB == 0 for r in reused)
+    finally:
+        server.stop()
+
+
+def test_a_password_from_the_url_or_the_environment(tmp_path, managers, monkeypatch):
+    server = ValkeyServer(tmp_path / "auth", extra=("--requirepass", "s3cret")).start()
+    try:
+        with pytest.raises(StorageError, match="does not answer"):
+            managers(server.url, timeout_ms=500)  # no password
+        url = f"valkey://:s3cret@127.0.0.1:{server.port}/0"
+        a, engine_a = managers(url)
+        fill_remote(a, engine_a, [prompt_of(9, 2)])
+        monkeypatch.setenv("KVPOOL_REMOTE_PASSWORD", "s3cret")
+        b, engine_b = managers(server.url)
+        assert compute(b, engine_b, prompt_of(9, 2) + [1]) == 2 * TPB
+        monkeypatch.setenv("TENANT_PASSWORD", "wrong")
+        with pytest.raises(StorageError, match=r"does not answer \(AuthenticationError: inv"):
+            managers(server.url, password_env="TENANT_PASSWORD")
     finally:
         server.stop()

@@ -77,7 +77,7 @@ class ValkeyServer:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # (up, maybe locked)
         except OSError:
             return False
 

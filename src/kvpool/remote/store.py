@@ -92,6 +92,7 @@ class RemoteStore:
         self._backoff = config.reconnect_min_ms / 1000
         self._retry_at = 0.0
         self._down = False
+        self.last_error = ""  # the last failed call's error
 
     @property
     def where(self) -> str:
@@ -106,7 +107,7 @@ class RemoteStore:
         """Reach the server now: `StorageError` naming it when it does not answer (unless the
         config tolerates that: then a warning, and the tier runs degraded until it answers)."""
         if self._call(lambda client: client.ping(), quiet=True) is None:
-            message = f"the remote tier at {self.where} does not answer"
+            message = f"the remote tier at {self.where} does not answer ({self.last_error})"
             if not self.config.tolerate_unavailable:
                 self.close()
                 raise StorageError(
@@ -200,6 +201,7 @@ class RemoteStore:
 
     def _failed(self, error: BaseException, quiet: bool) -> None:
         self.stats.errors += 1
+        self.last_error = f"{type(error).__name__}: {error}"
         if not self._down and not quiet:
             logger.warning("the remote tier at %s failed (%s): backing off", self.where, error)
         self._down = True
