@@ -183,6 +183,40 @@ class RemoteCacheTierConfig:
         )
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """Publish KV events (blocks stored and removed per medium) for KV-aware routers, over ZMQ
+    in vLLM's wire format (`kvpool.events`; needs the `events` extra).
+
+    `endpoint`: the PUB socket's address, bound (``tcp://*:5557``; port 0 picks a free one).
+    `replay_endpoint`: a ROUTER socket's address for replays of the last `buffer_steps`
+    batches, or None. `topic`: the first frame of every message. `hwm`: the PUB socket's
+    high-water mark. `data_parallel_rank`: stamped on every batch. `max_queue_batches`: batches
+    waiting for the publisher's thread before the engine waits for it.
+    """
+
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    data_parallel_rank: int = 0
+    max_queue_batches: int = 100_000
+
+    def validate(self, name: str = "kv_events") -> None:
+        for field_name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, field_name)
+            if value is None and field_name == "replay_endpoint":
+                continue
+            if not isinstance(value, str) or "://" not in value:
+                _fail(f"{name}.{field_name}", value, "a ZMQ address like tcp://*:5557")
+        if not isinstance(self.topic, str):
+            _fail(f"{name}.topic", self.topic, "a string")
+        for field_name in ("buffer_steps", "hwm", "max_queue_batches"):
+            _positive_int(f"{name}.{field_name}", getattr(self, field_name))
+        check_int(f"{name}.data_parallel_rank", self.data_parallel_rank, 0, None, ConfigError)
+
+
 class ReuseScope(NamedTuple):
     """Requests reuse each other's blocks only within the same scope (LoRA adapter, salt)."""
 
@@ -225,6 +259,7 @@ class KVCacheManagerConfig:
     rebalance_ratio_threshold: float = 1.25
     rebalance_moving_average_decay: float = 0.9999
     remote_tier: RemoteCacheTierConfig | None = None
+    kv_events: KVEventsConfig | None = None
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first invalid field; return None when all is valid."""
@@ -246,6 +281,10 @@ class KVCacheManagerConfig:
             if not isinstance(self.remote_tier, RemoteCacheTierConfig):
                 _fail("remote_tier", self.remote_tier, "a RemoteCacheTierConfig or None")
             self.remote_tier.validate()
+        if self.kv_events is not None:
+            if not isinstance(self.kv_events, KVEventsConfig):
+                _fail("kv_events", self.kv_events, "a KVEventsConfig or None")
+            self.kv_events.validate()
 
     def _validate_tiers(self) -> None:
         allowed = "a non-empty list starting with the GPU tier"

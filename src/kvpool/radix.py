@@ -14,11 +14,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from hashlib import sha256
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvpool.layout import KVLayout
 from kvpool.lifecycles import AttentionLifeCycle, SsmLifeCycle
 from kvpool.records import Block, Page
 from kvpool.tokens import Token, _common_token_prefix, encode_checked, encode_tokens
+
+if TYPE_CHECKING:
+    from kvpool.events.log import KVEventLog
 
 # Partial matching and partial-block insertion scan a node's children only when it has few.
 MAX_CHILDREN_SCANNED = 32
@@ -46,6 +50,24 @@ def _remove_child(parent: Block, block: Block) -> None:
         (parent.kids,) = kids.values()
 
 
+class LostBlock(NamedTuple):
+    """What a block that left the tree was (for writing its pages elsewhere)."""
+
+    key: bytes
+    parent_key: bytes | None  # None for a scope's first block
+    data: bytes
+    scope: bytes
+
+
+def lost_block(block: Block, tokens_per_block: int) -> LostBlock | None:
+    """What a full block is, for after it leaves the tree (None for a partial one)."""
+    if block.num_tokens != tokens_per_block:
+        return None
+    parent = block.parent
+    parent_key = None if parent is None or parent.parent is None else parent.key
+    return LostBlock(block.key, parent_key, block.data, block.scope)
+
+
 @dataclass
 class Match:
     """A reusable prefix of `num_tokens` tokens stored in `blocks`. All but the last block are
@@ -71,6 +93,8 @@ class RadixTree:
             Block(b"", None, b"", 0, self._no_pages) for _ in range(spare_blocks)
         ]
         self._tokens_per_block = layout.tokens_per_block
+        # Told where full blocks' pages enter or leave the tree (None: no KV events).
+        self.kv_events: KVEventLog | None = None
         # Per layer group: blocks below this ordinal need its page to stay reusable (every
         # block for full attention, the sink blocks for a window, none for SSM).
         self._anchor_blocks = [
@@ -217,6 +241,7 @@ class RadixTree:
             block = self._spare.pop()
             block.key, block.parent, block.data, block.num_tokens = key, parent, data, num_tokens
             block.ordinal = parent.ordinal + 1
+            block.scope = parent.scope
             block.kids = None
             block.num_partial_children = 0
             block.in_tree = True
@@ -234,18 +259,21 @@ class RadixTree:
             block.parent = None
             self._spare.append(block)
 
-    @staticmethod
-    def detach(page: Page) -> None:
+    def detach(self, page: Page) -> None:
         """Unlink a page from its block, which keeps its place in the tree."""
-        assert page.block is not None and page.block[page.layer_group] is page
-        page.block[page.layer_group] = None
+        block = page.block
+        assert block is not None and block[page.layer_group] is page
+        if self.kv_events is not None:
+            self.kv_events.removed(block, page.layer_group, page.level)
+        block[page.layer_group] = None
         page.block = None
 
-    @staticmethod
-    def attach(block: Block, page: Page) -> None:
+    def attach(self, block: Block, page: Page) -> None:
         assert block[page.layer_group] is None and page.block is None
         block[page.layer_group] = page
         page.block = block
+        if self.kv_events is not None:
+            self.kv_events.stored(block, page.layer_group, page.level)
 
     # -- removal ---------------------------------------------------------------------------------
 
@@ -254,11 +282,11 @@ class RadixTree:
         return self.remove_pages((page,))
 
     def remove_pages(
-        self, pages: Iterable[Page], lost_keys: list[bytes] | None = None
+        self, pages: Iterable[Page], lost_blocks: list[LostBlock | None] | None = None
     ) -> Sequence[Page]:
         """Detach dropped pages from their blocks; return the other pages that lost their block
-        (pages that lost it to an earlier one of `pages` are skipped). With `lost_keys`, the key
-        of each returned page's block is appended to it (b"" for a partial block).
+        (pages that lost it to an earlier one of `pages` are skipped). With `lost_blocks`, what
+        each returned page's block was is appended to it (None for a partial block).
 
         Without a full-attention (or sink) page a block and all its descendants can never be
         reused again, so they go. Then childless blocks without any page are pruned upwards.
@@ -270,12 +298,15 @@ class RadixTree:
             self._spare,
             self._tokens_per_block,
         )
+        events = self.kv_events
         for page in pages:
             block = page.block
             if block is None:
                 continue
             group = page.layer_group
             assert block[group] is page
+            if events is not None:
+                events.removed(block, group, page.level)
             block[group] = None
             page.block = None
             if block.ordinal >= anchors[group]:
@@ -298,26 +329,31 @@ class RadixTree:
                     self._prune_upwards(parent)
                 continue
             lost: list[Page] = []
-            self._remove_subtree(block, lost, lost_keys)
+            self._remove_subtree(block, lost, lost_blocks)
             if parent is not None:
                 self._prune_upwards(parent)
             orphans = [*orphans, *lost]
         return orphans
 
     def clear(self) -> list[Page]:
-        """Remove every block (and drop the spare ones); return their pages."""
+        """Remove every block (and drop the spare ones); return their pages. (No removal
+        events: the caller announces everything cleared.)"""
         orphans: list[Page] = []
-        for root in list(self.roots.values()):
-            self._remove_subtree(root, orphans)
+        events, self.kv_events = self.kv_events, None
+        try:
+            for root in list(self.roots.values()):
+                self._remove_subtree(root, orphans)
+        finally:
+            self.kv_events = events
         self._spare = []
         return orphans
 
     def _remove_subtree(
-        self, top: Block, orphans: list[Page], keys: list[bytes] | None = None
+        self, top: Block, orphans: list[Page], lost: list[LostBlock | None] | None = None
     ) -> None:
         """Unlink `top` and everything below it (iteratively, leaf first); their pages go to
-        `orphans` (and their full blocks' keys to `keys`, if given)."""
-        tpb = self._tokens_per_block
+        `orphans` (and what their blocks were to `lost`, if given)."""
+        tpb, events = self._tokens_per_block, self.kv_events
         if top.parent is not None:
             self._unlink(top)
         elif self.roots.get(top.key) is top:
@@ -331,11 +367,13 @@ class RadixTree:
             if any(block):
                 for group, page in enumerate(block):
                     if page is not None:
+                        if events is not None:
+                            events.removed(block, group, page.level)
                         page.block = None
                         block[group] = None
                         orphans.append(page)
-                        if keys is not None:
-                            keys.append(block.key if block.num_tokens == tpb else b"")
+                        if lost is not None:
+                            lost.append(lost_block(block, tpb))
             self._retire(block)
 
     def _unlink(self, block: Block) -> None:

@@ -108,6 +108,7 @@ class Block(list["Page | None"]):
         "num_tokens",
         "ordinal",
         "parent",
+        "scope",
     )
     __hash__ = object.__hash__  # type: ignore[assignment]
 
@@ -125,6 +126,7 @@ class Block(list["Page | None"]):
         self.data = data
         self.num_tokens = num_tokens
         self.ordinal: int = -1 if parent is None else parent.ordinal + 1
+        self.scope: bytes = key if parent is None else parent.scope  # the root's key
         self.kids: Block | dict[bytes, Block] | None = None
         self.num_partial_children = 0  # children with fewer tokens than a block
         self.in_tree = True

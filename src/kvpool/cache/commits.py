@@ -137,6 +137,7 @@ class Commits(RequestState):
         `priorities`, if given); where a block already has one, share it instead (one copy of
         the KV, not two)."""
         storage = self._ctx.storage
+        events = self._ctx.tree.kv_events
         for g in self._attention_groups:
             pages = self._pages[g]
             for index, block in enumerate(blocks, first):
@@ -149,6 +150,8 @@ class Commits(RequestState):
                         storage.set_priority(page, priorities[block.ordinal, g])
                     block[g] = page
                     page.block = block
+                    if events is not None:
+                        events.stored(block, g, page.level)
                     if not page.locks:
                         storage.settle(page)
                 elif block.num_tokens == self._tpb:

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool import _debug
 from kvpool.cache import CacheContext, KVCache, RequestState
@@ -18,11 +18,13 @@ from kvpool.config import (
     DiskCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
+    KVEventsConfig,
 )
 from kvpool.errors import LogicError
+from kvpool.events.log import MEDIA, KVEventLog
 from kvpool.layout import KVLayout
 from kvpool.manager.invariants import check_invariants
-from kvpool.radix import RadixTree
+from kvpool.radix import LostBlock, RadixTree, lost_block
 from kvpool.rebalance import DemandEstimator
 from kvpool.records import Page
 from kvpool.remote import RemoteStatistics, RemoteTier
@@ -34,6 +36,9 @@ from kvpool.validation import (
     check_index,
     fail,
 )
+
+if TYPE_CHECKING:
+    from kvpool.events.publisher import KVEventPublisher
 
 # The request shape that sizes pool groups when the config names none.
 DEFAULT_REQUEST = KVCacheDesc(capacity=2049, history_length=2048)
@@ -113,6 +118,10 @@ class ManagerCore:
                 self._storage.close()
                 raise
             self._storage.on_drop = self._drop_and_write_back
+        self._kv_events: KVEventLog | None = None
+        self._publisher: KVEventPublisher | None = None
+        if self._config.kv_events is not None:
+            self._start_kv_events(self._config.kv_events)
         self.rebalancer = DemandEstimator(self._config, self.layout, clock or time.monotonic)
         self._constrained: dict[int, tuple[object, int, list[float]]] = {}
         self._living: dict[int, KVCache] = {}
@@ -135,23 +144,56 @@ class ManagerCore:
         before their slots are freed."""
         assert self._remote is not None
         tpb, storage = self.tokens_per_block, self._storage
-        items: list[tuple[bytes, Page]] = []
+        items: list[tuple[LostBlock, Page]] = []
         for page in pages:
             block = page.block
             if block is not None and block.num_tokens == tpb:
-                items.append((block.key, page))
-        keys: list[bytes] = []
-        orphans = self._tree.remove_pages(pages, keys)
+                lost = lost_block(block, tpb)
+                assert lost is not None
+                items.append((lost, page))
+        lost_blocks: list[LostBlock | None] = []
+        orphans = self._tree.remove_pages(pages, lost_blocks)
         if orphans:
             dropped = {id(page) for page in pages}  # (written above, or not at all)
             items += [
-                (key, page)
-                for key, page in zip(keys, orphans, strict=True)
-                if key and id(page) not in dropped
+                (lost, page)
+                for lost, page in zip(lost_blocks, orphans, strict=True)
+                if lost is not None and id(page) not in dropped
             ]
         if items:
-            self._remote.write_back(items, storage.read_page)
+            queued = self._remote.write_back(items, storage.read_page)
+            if self._kv_events is not None and queued:
+                self._kv_events.written_remote(
+                    [(*items[i][0], items[i][1].layer_group) for i in queued]
+                )
         return orphans
+
+    def _start_kv_events(self, config: KVEventsConfig) -> None:
+        from kvpool.events.publisher import KVEventPublisher
+
+        media = [MEDIA[level.tier] for level in self._levels]
+        try:
+            self._publisher = KVEventPublisher(config, media, self.tokens_per_block)
+        except BaseException:
+            if self._remote is not None:
+                self._remote.close()
+            self._storage.close()
+            raise
+        self._kv_events = KVEventLog(self.tokens_per_block, self._publisher.publish)
+        self._storage.kv_events = self._tree.kv_events = self._kv_events
+
+    def flush_kv_events(self) -> None:
+        """Publish the KV events recorded since the last call as one batch (call it once per
+        engine step; a no-op without `kv_events`)."""
+        if self._kv_events is not None:
+            self._kv_events.flush()
+
+    @property
+    def kv_event_endpoints(self) -> tuple[str, str | None] | None:
+        """The addresses the KV event sockets are bound to (PUB, replay ROUTER), or None."""
+        if self._publisher is None:
+            return None
+        return self._publisher.endpoint, self._publisher.replay_endpoint
 
     def _forget(self, cache: RequestState) -> None:
         del self._living[cache.id]

@@ -52,6 +52,8 @@ class KVCacheManager(Rebalancing):
         check_bool("exclude_from_stats", exclude_from_stats)
         tokens = [] if input_tokens is None else token_list("input_tokens", input_tokens)
         match, prefix = self._match(scope_key, tokens)
+        if self._publisher is not None and scope_key not in self._publisher.scopes:
+            self._publisher.scopes[scope_key] = reuse_scope or ReuseScope()  # (lora ids, salts)
         cache = KVCache(self._context, id, scope_key, priority_callback, exclude_from_stats)
         if match.num_tokens:
             cache.adopt_match(match, tokens)
@@ -103,6 +105,8 @@ class KVCacheManager(Rebalancing):
         self._refuse_with_open_caches("clear_reusable_blocks")
         for page in self._tree.clear():
             self._storage.settle(page)
+        if self._kv_events is not None:
+            self._kv_events.cleared()
         self._after_call()
 
     def shutdown(self) -> None:
@@ -114,6 +118,10 @@ class KVCacheManager(Rebalancing):
             self._storage.settle(page)
         if self._remote is not None:
             self._remote.close()
+        if self._kv_events is not None and self._publisher is not None:
+            self._kv_events.cleared()
+            self._kv_events.flush()
+            self._publisher.close()
         self._storage.close()
         self._levels = []
         self._closed = True

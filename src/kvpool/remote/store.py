@@ -261,15 +261,18 @@ class WriteBack:
         self._thread = threading.Thread(target=self._run, name="kvpool-remote-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, items: list[tuple[bytes, bytes]]) -> None:
-        """Queue values to write; those beyond the queue's bound are dropped (counted)."""
+    def submit(self, items: list[tuple[bytes, bytes]]) -> int:
+        """Queue values to write; those beyond the queue's bound are dropped (counted). Returns
+        how many were queued (the first ones)."""
         with self._condition:
             room = max(0, self._max_pending - len(self._queue))
             self._queue.extend(items[:room])
             stats = self.store.stats
-            stats.queued_writes += min(room, len(items))
-            stats.dropped_writes += max(0, len(items) - room)
+            queued = min(room, len(items))
+            stats.queued_writes += queued
+            stats.dropped_writes += len(items) - queued
             self._condition.notify()
+            return queued
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued value was written (or failed); False on timeout."""

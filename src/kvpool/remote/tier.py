@@ -22,6 +22,7 @@ from hashlib import sha256
 from kvpool.config import RemoteCacheTierConfig
 from kvpool.layout import KVLayout
 from kvpool.lifecycles import AttentionLifeCycle
+from kvpool.radix import LostBlock
 from kvpool.records import Page
 from kvpool.remote.store import RemoteStatistics, RemoteStore, WriteBack
 from kvpool.remote.values import decode_value, encode_value, key_of, namespace_of
@@ -160,23 +161,25 @@ class RemoteTier:
     # -- write-back ------------------------------------------------------------------------------
 
     def write_back(
-        self, items: Sequence[tuple[bytes, Page]], read: Callable[[Page], bytes]
-    ) -> None:
-        """Queue the bytes (`read(page)`) of committed full blocks' pages, given with their
-        block's key, that the local levels are about to lose. A page whose bytes cannot be read
-        is skipped (counted as a failed write)."""
-        values = []
-        for block_key, page in items:
+        self, items: Sequence[tuple[LostBlock, Page]], read: Callable[[Page], bytes]
+    ) -> list[int]:
+        """Queue the bytes (`read(page)`) of committed full blocks' pages that the local levels
+        are about to lose; returns the indices of the items queued. A page whose bytes cannot
+        be read is skipped (counted as a failed write), and so are those beyond the queue's
+        bound (counted as dropped)."""
+        values, indices = [], []
+        for i, (block, page) in enumerate(items):
             try:
                 payload = read(page)
             except OSError:
                 self._stats.failed_writes += 1
                 continue
-            values.append(
-                (self.key(block_key, page.layer_group), encode_value(self.namespace, payload))
-            )
-        if values:
-            self._writer.submit(values)
+            key = self.key(block.key, page.layer_group)
+            values.append((key, encode_value(self.namespace, payload)))
+            indices.append(i)
+        if not values:
+            return []
+        return indices[: self._writer.submit(values)]
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._writer.flush(timeout)

@@ -113,6 +113,8 @@ class Migration(Ownership):
                 self.settle(page)
         self.queues[level][pool_group].push_all(evictable)
         if source_level != level:
+            if self.kv_events is not None:
+                self.kv_events.moved(batch, source_level, level)
             self.num_moved[level] += len(batch)
             self.bytes_moved[level] += len(batch) * sum(source_group.slot_sizes)
 
@@ -193,6 +195,8 @@ class Migration(Ownership):
                 group.allocator.release(slot)
                 failure = error
                 continue
+            if self.kv_events is not None and page.level != level:
+                self.kv_events.moved((page,), page.level, level)
             page.slot, page.level = slot, level
             self.pages[level][page.pool_group][slot.slot_id] = page
             self.settle(page)

@@ -4,11 +4,15 @@ eviction queues, the page in each occupied slot, the spare page records and the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvpool.eviction import EvictionQueue
 from kvpool.records import Page
 from kvpool.storage.copier import Copier
 from kvpool.storage.pools import LevelStorage
+
+if TYPE_CHECKING:
+    from kvpool.events.log import KVEventLog
 
 
 class StorageState:
@@ -36,6 +40,8 @@ class StorageState:
         # Eviction decisions (drops and moves, with slot ids) while a replica check records them;
         # None (the usual case) costs one test per batch.
         self.events: list[tuple[object, ...]] | None = None
+        # Told when the tree's pages change level (None: no KV events).
+        self.kv_events: KVEventLog | None = None
 
     @property
     def last_level(self) -> int:

@@ -1,0 +1,252 @@
+"""KV events as a router meets them: a subscriber in another process decodes the ZMQ stream
+(with vLLM's own classes where vLLM is installed, else with structs written from the wire format
+alone), rebuilds the cached blocks per medium and, at checkpoints, equals the manager's own view
+exactly: through commits, the eviction cascade, suspension, rebalancing, a level resized,
+clear_reusable_blocks, and for a subscriber that joins late and replays."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("msgspec")
+pytest.importorskip("zmq")
+
+from kvpool import (
+    ConfigError,
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
+    KVEventsConfig,
+    ReuseScope,
+)
+from kvpool.events import cached_blocks
+from kvpool.events.wire import BlockStored, block_hash, decode_batch
+from tests.engine_check import CheckingEngine
+from tests.helpers import MiB, make_config, record_layer, shutdown
+
+TPB = 16
+SUBSCRIBER = Path(__file__).with_name("kv_event_subscriber.py")
+PEER_PYTHON = Path("/tmp/peervenv/bin/python")
+# Two layer groups in two pool groups: full attention (80 KiB pages) and a window of 32 tokens
+# with 4 sinks (64 KiB pages).
+LAYERS = [
+    record_layer(0, TPB, repeats=64),
+    record_layer(1, TPB, repeats=64),
+    record_layer(2, TPB, window=32, sinks=4, repeats=64),
+    record_layer(3, TPB, window=32, sinks=4, repeats=64),
+    record_layer(4, TPB, repeats=32),
+]
+EVENTS = KVEventsConfig("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+
+
+@cache
+def vllm_available() -> bool:
+    if not PEER_PYTHON.exists():
+        return False
+    check = [str(PEER_PYTHON), "-c", "import vllm.distributed.kv_events"]
+    return subprocess.run(check, capture_output=True, timeout=120).returncode == 0
+
+
+DECODERS = ["independent", "vllm"]
+
+
+class Subscriber:
+    """The subscriber process; `view(n)` once batch n was applied."""
+
+    def __init__(self, endpoints, decoder):
+        python = str(PEER_PYTHON) if decoder == "vllm" else sys.executable
+        self.process = subprocess.Popen(
+            [python, str(SUBSCRIBER), *endpoints, decoder],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert json.loads(self.process.stdout.readline()) == {"ready": True}
+
+    def view(self, sequence):
+        self.process.stdin.write(f"view {sequence}\n")
+        self.process.stdin.flush()
+        return json.loads(self.process.stdout.readline())
+
+    def close(self):
+        if self.process.poll() is None:
+            self.process.stdin.write("quit\n")
+            self.process.stdin.flush()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+@pytest.fixture
+def subscribers():
+    made = []
+
+    def start(manager, decoder):
+        subscriber = Subscriber(manager.kv_event_endpoints, decoder)
+        made.append(subscriber)
+        return subscriber
+
+    yield start
+    for subscriber in made:
+        subscriber.close()
+
+
+def checkpoint(manager, *subscribers):
+    """Every subscriber's view equals the manager's, with no inconsistent event seen."""
+    manager.flush_kv_events()
+    last = manager._kv_events.num_batches - 1
+    expected = cached_blocks(manager)
+    for subscriber in subscribers:
+        got = subscriber.view(last)
+        assert got["errors"] == [] and got["applied"] == last
+        assert {m: {tuple(p) for p in pairs} for m, pairs in got["media"].items()} == {
+            m: pairs for m, pairs in expected.items() if pairs
+        }
+    return expected
+
+
+def run(manager, engine, tokens, scope=None):
+    """One request over `tokens`, one engine step per block (events flushed per step)."""
+    cache = manager.create_kv_cache(scope, tokens[:-1])
+    assert cache.resume()
+    for start in range(cache.num_committed_tokens, len(tokens), TPB):
+        assert engine.step(cache, tokens, tokens[start : start + TPB])
+        manager.flush_kv_events()
+    engine.check(cache, tokens)
+    cache.close()
+
+
+def prompt(n, blocks=4):
+    return [n * 1000 + i for i in range(blocks * TPB)]
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_a_router_in_another_process_sees_exactly_what_the_manager_caches(
+    tmp_path, subscribers, decoder
+):
+    if decoder == "vllm" and not vllm_available():
+        pytest.skip("vLLM is not installed (../shared/bench/peers/setup.sh builds it)")
+    tiers = [
+        GpuCacheTierConfig(8 * MiB),
+        HostCacheTierConfig(8 * MiB),
+        DiskCacheTierConfig(8 * MiB, str(tmp_path)),
+    ]
+    m = KVCacheManager(make_config(LAYERS, tiers, TPB, kv_events=EVENTS))
+    try:
+        engine = CheckingEngine(m)
+        early = subscribers(m, decoder)
+        for n in range(4):  # commits (a LoRA scope among them)
+            run(m, engine, prompt(n), ReuseScope(lora_id=7) if n == 3 else None)
+        view = checkpoint(m, early)
+        assert {group for _, group in view["GPU"]} == {0, 1} and len(view["GPU"]) >= 4 * 4 + 4 * 3
+        for n in range(4, 40):  # the cascade: GPU -> host -> disk -> dropped
+            run(m, engine, prompt(n))
+        storage = m._storage
+        assert storage.num_moved[1] and storage.num_moved[2] and m.num_dropped_pages
+        view = checkpoint(m, early)
+        assert set(view) == {"GPU", "CPU", "DISK"}
+        # a held request suspended and pushed down by others, then resumed
+        held = m.create_kv_cache(None, prompt(40)[:-1])
+        assert held.resume() and engine.step(held, prompt(40), prompt(40)[held.history_length :])
+        held.suspend()
+        for n in range(41, 70):
+            run(m, engine, prompt(n))
+        assert any(p.level > 0 for p in held.pages(0) if p is not None)
+        late = subscribers(m, decoder)  # joins late: replays from the first batch
+        checkpoint(m, early, late)
+        assert held.resume()
+        engine.check(held, prompt(40))
+        held.close()
+        checkpoint(m, early, late)
+        # rebalancing moves pages between slots (same medium) and may push or drop some
+        before = m.get_slot_counts(0)
+        m.adjust_cache_level(0, [0.2, 0.8])
+        assert m.get_slot_counts(0) != before
+        checkpoint(m, early, late)
+        assert m.resize(1, 6 * MiB)  # the host level shrinks: pages to disk or dropped
+        checkpoint(m, early, late)
+        m.clear_reusable_blocks()
+        assert checkpoint(m, early, late) == {}
+        run(m, engine, prompt(60))
+        checkpoint(m, early, late)
+        assert early.view(m._kv_events.num_batches - 1)["events"] > 100
+    finally:
+        shutdown(m)
+
+
+def test_batches_merge_a_committed_chain_and_carry_tokens_scope_and_medium(subscribers):
+    m = KVCacheManager(
+        make_config([record_layer(0, TPB)], [GpuCacheTierConfig(2 * MiB)], TPB, kv_events=EVENTS)
+    )
+    import zmq
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(m.kv_event_endpoints[0])
+    try:
+        engine = CheckingEngine(m)
+        tokens = prompt(1, blocks=3)
+        scope = ReuseScope(lora_id=5, salt="tenant")
+        for attempt in range(50):  # (a SUB socket misses what is sent before it is connected)
+            cache = m.create_kv_cache(scope, [])
+            assert cache.resume() and engine.step(cache, tokens, tokens)  # one step, 3 blocks
+            cache.close()
+            m.clear_reusable_blocks()
+            m.flush_kv_events()
+            if sub.poll(200):
+                break
+        topic, sequence, payload = sub.recv_multipart()
+        assert topic == b"" and len(sequence) == 8
+        batch = decode_batch(payload)
+        assert batch.data_parallel_rank == 0 and batch.ts > 0
+        stored, cleared = batch.events
+        assert isinstance(stored, BlockStored) and type(cleared).__name__ == "AllBlocksCleared"
+        keys = [block.key for block in m._tree.index.values()]  # (cleared: recompute the keys)
+        assert keys == []
+        from hashlib import sha256
+
+        from kvpool.tokens import encode_checked, root_key
+
+        key, hashes = root_key(scope), []
+        for i in range(3):
+            key = sha256(key + encode_checked(tokens[i * TPB : (i + 1) * TPB])).digest()
+            hashes.append(block_hash(key))
+        assert stored.block_hashes == hashes and stored.parent_block_hash is None
+        assert stored.token_ids == tokens and stored.block_size == TPB
+        assert stored.lora_id == 5 and stored.extra_keys == [("tenant",)] * 3
+        assert stored.medium == "GPU" and stored.group_idx == 0
+    finally:
+        sub.close(linger=0)
+        shutdown(m)
+
+
+def test_no_events_cost_nothing_and_bad_event_config_is_refused_by_field():
+    m = KVCacheManager(make_config([record_layer(0, TPB)], [GpuCacheTierConfig(2 * MiB)], TPB))
+    assert m.kv_event_endpoints is None and m._tree.kv_events is None
+    m.flush_kv_events()  # a no-op
+    shutdown(m)
+    for fields, named in [
+        (dict(endpoint="nowhere"), "kv_events.endpoint"),
+        (dict(replay_endpoint=5), "kv_events.replay_endpoint"),
+        (dict(buffer_steps=0), "kv_events.buffer_steps"),
+        (dict(data_parallel_rank=-1), "kv_events.data_parallel_rank"),
+        (dict(topic=b"x"), "kv_events.topic"),
+    ]:
+        config = make_config(kv_events=KVEventsConfig(**fields))
+        with pytest.raises(ConfigError, match=named):
+            KVCacheManager(config)
+    taken = KVCacheManager(make_config(kv_events=EVENTS))
+    try:
+        endpoint = taken.kv_event_endpoints[0]
+        with pytest.raises(ConfigError, match="cannot bind"):
+            KVCacheManager(make_config(kv_events=KVEventsConfig(endpoint)))
+    finally:
+        shutdown(taken)
