@@ -195,7 +195,7 @@ def test_batches_merge_a_committed_chain_and_carry_tokens_scope_and_medium(subsc
         engine = CheckingEngine(m)
         tokens = prompt(1, blocks=3)
         scope = ReuseScope(lora_id=5, salt="tenant")
-        for attempt in range(50):  # (a SUB socket misses what is sent before it is connected)
+        for _ in range(50):  # (a SUB socket misses what is sent before it is connected)
             cache = m.create_kv_cache(scope, [])
             assert cache.resume() and engine.step(cache, tokens, tokens)  # one step, 3 blocks
             cache.close()
