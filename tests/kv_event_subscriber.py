@@ -104,7 +104,7 @@ class View:
                 "errors": self.errors,
                 "applied": self.next_sequence - 1,
                 "events": self.events,
-            }  # fmt: skip
+            }
         )
 
 

@@ -250,3 +250,33 @@ def test_no_events_cost_nothing_and_bad_event_config_is_refused_by_field():
             KVCacheManager(make_config(kv_events=KVEventsConfig(endpoint)))
     finally:
         shutdown(taken)
+
+
+def test_pages_swapped_through_ram_are_announced_on_their_new_medium(subscribers):
+    """Every level nearly full of held pages: resuming swaps pages with those it pushes down
+    (the staged path), and the subscriber still equals the manager."""
+    layers = [record_layer(i, TPB, repeats=64) for i in range(2)]  # 64 KiB pages, 32 per 2 MiB
+    tiers = [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(2 * MiB)]
+    m = KVCacheManager(make_config(layers, tiers, TPB, kv_events=EVENTS))
+    try:
+        engine = CheckingEngine(m)
+        subscriber = subscribers(m, "independent")
+        requests = []
+        for i in range(3):  # 3 x 20 held pages of the 64 slots
+            tokens = [i * 1000 + t for t in range(20 * TPB)]
+            cache = m.create_kv_cache()
+            assert cache.resume() and engine.step(cache, tokens, tokens)
+            cache.suspend()
+            requests.append((cache, tokens))
+        checkpoint(m, subscriber)
+        for cache, tokens in requests:
+            assert cache.resume()
+            engine.check(cache, tokens)
+            cache.suspend()
+            checkpoint(m, subscriber)
+        assert m._storage.num_swapped > 0
+        for cache, _ in requests:
+            cache.close()
+        checkpoint(m, subscriber)
+    finally:
+        shutdown(m)
