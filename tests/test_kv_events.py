@@ -280,3 +280,40 @@ def test_pages_swapped_through_ram_are_announced_on_their_new_medium(subscribers
         checkpoint(m, subscriber)
     finally:
         shutdown(m)
+
+
+def test_blocks_written_to_the_remote_tier_are_announced_as_external(tmp_path, subscribers):
+    from kvpool import RemoteCacheTierConfig
+    from tests.valkey_servers import ValkeyServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("no valkey-server binary")
+    server = ValkeyServer(tmp_path / "valkey").start()
+    layers = [record_layer(i, TPB, repeats=64) for i in range(2)]  # 32 pages per 2 MiB
+    config = make_config(
+        layers,
+        [GpuCacheTierConfig(2 * MiB)],
+        TPB,
+        kv_events=EVENTS,
+        remote_tier=RemoteCacheTierConfig(server.url),
+    )
+    m = KVCacheManager(config)
+    try:
+        engine = CheckingEngine(m)
+        subscriber = subscribers(m, "independent")
+        for n in range(12):  # 48 blocks through 32 slots: 16 or more leave for the server
+            run(m, engine, prompt(n))
+        assert m.flush_remote_writes(10)
+        m.flush_kv_events()
+        view = subscriber.view(m._kv_events.num_batches - 1)
+        assert view["errors"] == []
+        external = {tuple(pair) for pair in view["media"].pop("EXTERNAL")}
+        assert {m: {tuple(p) for p in pairs} for m, pairs in view["media"].items()} == (
+            cached_blocks(m)
+        )
+        written = m.remote_statistics().written_values
+        assert len(external) == written >= 16
+        assert not external & cached_blocks(m)["GPU"]  # dropped there, stored on EXTERNAL
+    finally:
+        shutdown(m)
+        server.stop()
