@@ -34,9 +34,9 @@ class KVCache(Growth, RemoteLoading):
             total = storage.levels[GPU_LEVEL].pool_groups[pool_group].num_slots
             used = total - storage.num_available(GPU_LEVEL, pool_group)
             if total and used / total > self._ctx.max_util_for_resume:
-                return False
+                return self._resume_failed()
         if self._remote is not None and not self._load_remote(GPU_LEVEL):
-            return False
+            return self._resume_failed()
         ours = [page for pages in self._pages for page in pages if page is not None]
         extra = [0] * layout.num_pool_groups  # private copies made on first resume
         for g, block, _ in self._deferred:
@@ -66,11 +66,16 @@ class KVCache(Growth, RemoteLoading):
                     storage.hold(page)
                     storage.unlock(page)
         if not moved:
-            return False
+            return self._resume_failed()
         self._status = KVCacheStatus.ACTIVE
         self.refresh_tables()
+        self._ctx.counters.resumes += 1
         self._after_call()
         return True
+
+    def _resume_failed(self) -> bool:
+        self._ctx.counters.failed_resumes += 1
+        return False
 
     def prefetch(self, level: int) -> bool:
         """Suspended requests only: move the request's pages that are colder than `level` up
@@ -145,6 +150,7 @@ class KVCache(Growth, RemoteLoading):
                     storage.hold(page)
                     storage.unlock(page)
         self._status = KVCacheStatus.SUSPENDED
+        self._ctx.counters.suspensions += 1
         self._after_call()
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ sliding windows), `Commits` (commit and radix-tree insertion) and the life cycle
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,7 @@ from kvpool.page_table import PageTable
 from kvpool.radix import RadixTree
 from kvpool.records import Page
 from kvpool.remote import RemotePrefix, RemoteTier
+from kvpool.stats import Counters
 from kvpool.tokens import Token
 from kvpool.validation import check_index
 
@@ -64,6 +65,7 @@ class CacheContext:
     check: Callable[[], None]
     check_thread: Callable[[], None]
     remote: RemoteTier | None = None
+    counters: Counters = field(default_factory=Counters)
 
 
 class RequestState:

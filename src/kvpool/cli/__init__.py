@@ -218,6 +218,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     output.add_argument("--explain", action="store_true", help="explain the report's terms")
     output.add_argument(
+        "--metrics-port",
+        type=int_at_least(0),
+        metavar="PORT",
+        help="serve Prometheus /metrics on this port while replaying (0: a free port, logged)",
+    )
+    output.add_argument(
+        "--metrics-hold",
+        type=non_negative_number,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep serving /metrics this long after the report (Ctrl-C ends it), so a scraper "
+        "sees the final figures",
+    )
+    output.add_argument(
         "--no-progress", dest="progress", action="store_false", help="no progress bar"
     )
     replay_parser.set_defaults(run=replay_command)
@@ -243,6 +257,14 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 )
             if args.capacity_blocks and args.remote:
                 parser.error("--capacity-blocks (prefix-cache mode) takes no --remote")
+            if args.metrics_port is not None and args.capacity_blocks:
+                parser.error("--capacity-blocks (prefix-cache mode) takes no --metrics-port")
+            if args.metrics_hold and args.metrics_port is None:
+                parser.error("--metrics-hold needs --metrics-port PORT")
+            if args.metrics_port is not None and args.metrics_port > 65535:
+                parser.error(
+                    f"--metrics-port {args.metrics_port} is invalid: must be in [0, 65535]"
+                )
             if args.remote_cluster and not args.remote:
                 parser.error("--remote-cluster needs --remote URL")
             if args.remote:

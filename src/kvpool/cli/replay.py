@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -250,15 +251,53 @@ def replay_command(args: argparse.Namespace) -> int:
         Progress(transient=True, disable=not args.progress) as bar,
     ):
         task = bar.add_task("replaying", total=len(workload))
-        report = replay(
-            workload,
-            config,
-            options,
-            progress=lambda done, total: bar.update(task, completed=done),
-            should_stop=should_stop,
-        )
-    finish(args, report, setup, notes, title)
+        metrics: list[Any] = []
+        try:
+            report = replay(
+                workload,
+                config,
+                options,
+                progress=lambda done, total: bar.update(task, completed=done),
+                should_stop=should_stop,
+                on_manager=lambda manager: metrics.append(serve_metrics(manager, args)),
+            )
+            finish(args, report, setup, notes, title)
+            if metrics and args.metrics_hold and not report.partial:
+                logger.info("serving /metrics for %g more seconds", args.metrics_hold)
+                deadline = time.monotonic() + args.metrics_hold
+                while not should_stop() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        finally:
+            for served in metrics:
+                served.close()
     return INTERRUPTED if report.partial else 0
+
+
+def serve_metrics(manager: Any, args: argparse.Namespace) -> Any:
+    """`--metrics-port`: the manager's Prometheus metrics over HTTP (None without the flag)."""
+    if args.metrics_port is None:
+        return _NoMetrics()
+    from kvpool.metrics import PrometheusMetrics
+
+    try:
+        from prometheus_client import CollectorRegistry
+    except ImportError:
+        raise ArgumentError(
+            "--metrics-port needs prometheus_client: pip install 'kvpool[metrics]'"
+        ) from None
+    metrics = PrometheusMetrics(manager, registry=CollectorRegistry())
+    try:
+        port = metrics.serve(args.metrics_port)
+    except OSError as error:
+        metrics.close()
+        raise ArgumentError(f"--metrics-port {args.metrics_port}: {error.strerror}") from None
+    logger.warning("serving Prometheus metrics on http://0.0.0.0:%d/metrics", port)
+    return metrics
+
+
+class _NoMetrics:
+    def close(self) -> None:
+        pass
 
 
 def finish(

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool import _debug
 from kvpool.cache import CacheContext, KVCache, RequestState
+from kvpool.cache.timed import TimedKVCache
 from kvpool.config import (
     CacheTier,
     DiskCacheTierConfig,
@@ -28,6 +29,7 @@ from kvpool.radix import LostBlock, RadixTree, lost_block
 from kvpool.rebalance import DemandEstimator
 from kvpool.records import Page
 from kvpool.remote import RemoteStatistics, RemoteTier
+from kvpool.stats import Counters, LatencyHistogram, ManagerStats, PoolGroupUsage
 from kvpool.storage.pools import LevelStorage
 from kvpool.tiers import StorageManager
 from kvpool.validation import (
@@ -126,6 +128,9 @@ class ManagerCore:
         self._constrained: dict[int, tuple[object, int, list[float]]] = {}
         self._living: dict[int, KVCache] = {}
         self._ids = itertools.count()
+        self._level_names = [level.tier.name for level in self._levels]
+        self._counters = Counters(hit_tokens_by_level=[0] * len(self._levels))
+        self._cache_class: type[KVCache] = KVCache
         self._context = CacheContext(
             layout=self.layout,
             storage=self._storage,
@@ -135,6 +140,7 @@ class ManagerCore:
             check=self._after_call,
             check_thread=self._check_thread,
             remote=self._remote,
+            counters=self._counters,
         )
 
     def _drop_and_write_back(self, pages: Sequence[Page]) -> Sequence[Page]:
@@ -300,6 +306,70 @@ class ManagerCore:
     def num_dropped_pages(self) -> int:
         """Committed pages evicted from the last level so far (their KV is gone)."""
         return self._storage.num_dropped
+
+    def stats(self) -> ManagerStats:
+        """A snapshot of memory use per level and pool group, prefix-cache queries and hits by
+        serving level, page traffic, suspensions, rebalances and (after `time_calls()`) call
+        latencies. O(levels x pool groups); reads counters only, so a metrics thread may call
+        it while the engine runs (figures from different instants, each consistent)."""
+        storage, counters = self._storage, self._counters
+        usage = []
+        for level, level_storage in enumerate(self._levels):
+            for index, group in enumerate(level_storage.pool_groups):
+                free = group.allocator.num_free_slots
+                usage.append(
+                    PoolGroupUsage(
+                        level,
+                        level_storage.tier.name,
+                        index,
+                        group.num_slots,
+                        group.num_slots - free,
+                        storage.num_evictable(level, index),
+                        sum(group.slot_sizes),
+                    )
+                )
+        remote = self.remote_statistics()
+        calls = dict(counters.calls or {})
+        return ManagerStats(
+            pool_groups=usage,
+            level_names=list(self._level_names),
+            requests=counters.requests,
+            query_tokens=counters.query_tokens,
+            hit_tokens_by_level=list(counters.hit_tokens_by_level),
+            remote_hit_tokens=0 if remote is None else remote.hit_tokens,
+            dropped_pages_by_level=list(storage.num_dropped_at),
+            moved_pages_to_level=list(storage.num_moved),
+            moved_bytes_to_level=list(storage.bytes_moved),
+            swapped_pages=storage.num_swapped,
+            copy_bytes=storage.copy_bytes,
+            copy_seconds=storage.copy_seconds,
+            suspensions=counters.suspensions,
+            resumes=counters.resumes,
+            failed_resumes=counters.failed_resumes,
+            rebalances=counters.rebalances,
+            rebalance_bytes=counters.rebalance_bytes,
+            rebalance_seconds=counters.rebalance_seconds.copy(),
+            calls={name: histogram.copy() for name, histogram in calls.items()},
+            remote=remote,
+        )
+
+    def time_calls(self, on: bool = True) -> None:
+        """Time the hot calls (create_kv_cache, probe_reuse, adjust, and resume, suspend,
+        resize, commit, prefetch, close of requests created from now on) into `stats().calls`.
+        Off by default: then they cost nothing."""
+        check_bool("on", on)
+        if on:
+            if self._counters.calls is None:
+                self._counters.calls = {}
+            self._cache_class = TimedKVCache
+        else:
+            self._counters.calls = None
+            self._cache_class = KVCache
+
+    def _observe(self, name: str, started: float) -> None:
+        calls = self._counters.calls
+        if calls is not None:
+            calls.setdefault(name, LatencyHistogram()).observe(time.perf_counter() - started)
 
     def remote_statistics(self) -> RemoteStatistics | None:
         """Counters of the remote tier (None without one): lookups, hits from other

@@ -4,6 +4,7 @@ its rebalancing (`Rebalancing`); this module adds the requests."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from kvpool.cache import KVCache, PriorityCallback
@@ -39,6 +40,7 @@ class KVCacheManager(Rebalancing):
         Leave out the prompt tokens that must be recomputed (at least the last one).
         `exclude_from_stats` marks warm-up or padding requests: they never feed rebalancing."""
         self._require_open()
+        started = time.perf_counter()
         scope_key = root_key(reuse_scope)
         if id is None:
             id = next(self._ids)
@@ -54,9 +56,15 @@ class KVCacheManager(Rebalancing):
         match, prefix = self._match(scope_key, tokens)
         if self._publisher is not None and scope_key not in self._publisher.scopes:
             self._publisher.scopes[scope_key] = reuse_scope or ReuseScope()  # (lora ids, salts)
-        cache = KVCache(self._context, id, scope_key, priority_callback, exclude_from_stats)
+        cache = self._cache_class(
+            self._context, id, scope_key, priority_callback, exclude_from_stats
+        )
+        counters = self._counters
+        counters.requests += 1
+        counters.query_tokens += len(tokens)
         if match.num_tokens:
             cache.adopt_match(match, tokens)
+            self._count_hits(cache, match.num_tokens)
         if prefix is not None:
             cache._remote = prefix
             cache._remote_tokens = (prefix.end - prefix.start) * self.tokens_per_block
@@ -64,14 +72,32 @@ class KVCacheManager(Rebalancing):
             self._storage.events.append(("create", id, cache.num_committed_tokens))
         self._living[id] = cache
         self._after_call()
+        if counters.calls is not None:
+            self._observe("create_kv_cache", started)
         return cache
+
+    def _count_hits(self, cache: KVCache, reused: int) -> None:
+        """Reused tokens by the level they are served from: a block counts at the coldest of
+        the pages the request holds for it."""
+        tpb, hits = self.tokens_per_block, self._counters.hit_tokens_by_level
+        tables = cache._pages
+        for index in range(-(-reused // tpb)):
+            level = 0
+            for pages in tables:
+                page = pages[index] if index < len(pages) else None
+                if page is not None and page.level > level:
+                    level = page.level
+            hits[level] += min(tpb, reused - index * tpb)
 
     def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: Sequence[Token]) -> int:
         """How many tokens of `input_tokens` a new request would reuse now (holds nothing)."""
         self._require_open()
         scope_key = root_key(reuse_scope)
         tokens = token_list("input_tokens", input_tokens)
+        started = time.perf_counter()
         match, prefix = self._match(scope_key, tokens)
+        if self._counters.calls is not None:
+            self._observe("probe_reuse", started)
         return match.num_tokens if prefix is None else prefix.end * self.tokens_per_block
 
     def _match(self, scope_key: bytes, tokens: list[Token]) -> tuple[Match, RemotePrefix | None]:

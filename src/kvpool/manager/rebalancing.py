@@ -4,6 +4,7 @@ then `adjust()`, or `adjust_cache_level` directly), and changing a level's quota
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 
 from kvpool.cache import KVCacheStatus
@@ -60,6 +61,7 @@ class Rebalancing(ManagerCore):
         Raises `OutOfPagesError`, with that level unchanged, if locked and held pages cannot
         fit the new split."""
         self._require_open()
+        started = time.perf_counter()
         try:
             for level in range(len(self._levels)):
                 target = self._constrained_target(level)
@@ -69,6 +71,8 @@ class Rebalancing(ManagerCore):
         finally:
             self.rebalancer.last_adjustment = self.rebalancer.clock()
         self._after_call()
+        if self._counters.calls is not None:
+            self._observe("adjust", started)
 
     def adjust_cache_level(
         self, level: int, ratio: Sequence[float], quota: int | None = None
@@ -100,6 +104,9 @@ class Rebalancing(ManagerCore):
             raise OutOfPagesError(
                 f"level {level}: the pages that must stay do not fit ({error}); nothing was changed"
             ) from None
+        storage_counters = self._storage
+        moved_before = storage_counters.bytes_relocated + sum(storage_counters.bytes_moved)
+        started = time.perf_counter()
         try:
             adjusted = self._storage.adjust_cache_level(level, counts, quota)
         finally:  # even after an error: pages of running requests may have moved
@@ -111,6 +118,11 @@ class Rebalancing(ManagerCore):
                 f"level {level} cannot take slot counts {counts}: the held pages of a shrinking "
                 "pool group find no room below; nothing was changed"
             )
+        counters = self._counters
+        counters.rebalances += 1
+        counters.rebalance_seconds.observe(time.perf_counter() - started)
+        moved_after = storage_counters.bytes_relocated + sum(storage_counters.bytes_moved)
+        counters.rebalance_bytes += moved_after - moved_before
         if self._storage.events is not None:
             self._storage.events.append(("split", level, tuple(counts)))
 

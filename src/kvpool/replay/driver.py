@@ -221,6 +221,7 @@ class Replay:
                 marker = self._progress_marker
                 tick = time.perf_counter()
                 self._step(waiting, running, suspended)
+                self.manager.flush_kv_events()
                 self._step_times.append(time.perf_counter() - tick)
                 report.steps += 1
                 concurrency.append(len(running))
@@ -451,6 +452,15 @@ def replay(
     options: ReplayOptions | None = None,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    on_manager: Callable[[KVCacheManager], None] | None = None,
 ) -> ReplayReport:
-    """Replay `workload` through a new manager built from `config`."""
-    return Replay(workload, config, options, progress, should_stop).run()
+    """Replay `workload` through a new manager built from `config` (`on_manager` sees it
+    first: to attach metrics, say)."""
+    run = Replay(workload, config, options, progress, should_stop)
+    if on_manager is not None:
+        try:
+            on_manager(run.manager)
+        except BaseException:
+            run.manager.shutdown()
+            raise
+    return run.run()

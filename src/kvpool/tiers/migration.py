@@ -3,6 +3,7 @@ RAM so that reads that can fail happen before anything changes."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -79,12 +80,15 @@ class Migration(Ownership):
         else:
             copy_from = source_group
             pairs = [(page.slot_id, slot.slot_id) for page, slot in zip(batch, slots, strict=True)]
+        started = time.perf_counter()
         try:
             event = self.copier.copy(copy_from, target_group, pairs)
             event.check()
         except BaseException:  # (an interrupt in an inline copy too)
             allocator.release_multiple(slots)
             raise
+        self.copy_seconds += time.perf_counter() - started
+        self.copy_bytes += len(batch) * sum(source_group.slot_sizes)
         source_pages, target_pages = (
             self.pages[source_level][pool_group],
             self.pages[level][pool_group],

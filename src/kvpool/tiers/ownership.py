@@ -174,6 +174,7 @@ class Ownership(StorageState):
         self._spare_pages += pages
         self.allocators[level][pool_group].release_multiple(slots)
         self.num_dropped += len(pages)
+        self.num_dropped_at[level] += len(pages)
         return orphans
 
     def _free(self, page: Page) -> None:

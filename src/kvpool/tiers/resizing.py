@@ -114,3 +114,5 @@ class Resizing(Allocation):
         if blocking:
             self._migrate_batch(blocking, level, level, pool_group)
             self.num_relocated += len(blocking)
+            slot_bytes = sum(self.levels[level].pool_groups[pool_group].slot_sizes)
+            self.bytes_relocated += len(blocking) * slot_bytes

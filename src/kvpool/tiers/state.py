@@ -33,10 +33,14 @@ class StorageState:
         # Called with dropped pages; returns the other pages that lost their block with them.
         self.on_drop: Callable[[Sequence[Page]], Sequence[Page]] = lambda pages: ()
         self.num_dropped = 0
+        self.num_dropped_at = [0] * len(self.levels)  # per level
         self.num_moved = [0] * len(self.levels)  # pages that arrived at each level
         self.bytes_moved = [0] * len(self.levels)
         self.num_swapped = 0  # pages brought up by staging them through RAM
         self.num_relocated = 0  # pages moved inside their level by a shrink
+        self.bytes_relocated = 0
+        self.copy_bytes = 0  # bytes copied by page moves (between and inside levels)
+        self.copy_seconds = 0.0  # and the time those copies took
         # Eviction decisions (drops and moves, with slot ids) while a replica check records them;
         # None (the usual case) costs one test per batch.
         self.events: list[tuple[object, ...]] | None = None
