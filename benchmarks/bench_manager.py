@@ -22,6 +22,7 @@ Run: python benchmarks/bench_manager.py [--workloads a,b] [--layouts full,hybrid
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -42,6 +43,7 @@ from kvpool import (
     HostCacheTierConfig,
     KVCacheManager,
     KVCacheManagerConfig,
+    KVEventsConfig,
 )
 from kvpool.replay.prefix import exact_block_config
 from kvpool.storage.slots import SlotAllocator
@@ -154,10 +156,21 @@ class Running:
 
 
 def scheduler_cycle(
-    requests: list[Any], layout: str, pool_blocks: int, max_batch: int, decode_len: int
+    requests: list[Any],
+    layout: str,
+    pool_blocks: int,
+    max_batch: int,
+    decode_len: int,
+    kv_events: bool = False,
 ) -> dict[str, Any]:
+    """Workload (b); with `kv_events`, the manager publishes KV events (flushed every step)."""
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as disk_dir:
-        manager = KVCacheManager(layout_config(layout, pool_blocks, disk_dir))
+        config = layout_config(layout, pool_blocks, disk_dir)
+        if kv_events:
+            config = dataclasses.replace(
+                config, kv_events=KVEventsConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+            )
+        manager = KVCacheManager(config)
         slot_counts = [manager.get_slot_counts(level) for level in range(manager.num_levels)]
         clock = time.perf_counter_ns
         hit_tokens = prompt_tokens = steps = request_steps = 0
@@ -196,6 +209,7 @@ def scheduler_cycle(
                 else:
                     still.append(item)
             running = still
+            manager.flush_kv_events()
         total_ns = clock() - start
         stats = manager.get_storage_statistics(0)
         moved = manager.num_moved_pages

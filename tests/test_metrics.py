@@ -74,7 +74,7 @@ def test_stats_count_requests_hits_by_level_traffic_and_suspensions(manager):
 
 
 def test_rebalances_and_failed_resumes_are_counted(manager):
-    m, engine = manager
+    m, _ = manager
     layers = [record_layer(0, TPB, repeats=64), record_layer(1, TPB, window=32, repeats=32)]
     two = KVCacheManager(make_config(layers, [GpuCacheTierConfig(8 * MiB)], TPB))
     try:
@@ -94,7 +94,7 @@ def test_rebalances_and_failed_resumes_are_counted(manager):
     finally:
         shutdown(two)
     holders = []
-    for n in range(4):  # GPU full of locked pages: a resume finds no room
+    for _ in range(4):  # GPU full of locked pages: a resume finds no room
         c = m.create_kv_cache(None, [])
         assert c.resume() and c.resize(8 * TPB)
         holders.append(c)

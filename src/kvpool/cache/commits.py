@@ -140,6 +140,7 @@ class Commits(RequestState):
         events = self._ctx.tree.kv_events
         for g in self._attention_groups:
             pages = self._pages[g]
+            attached: list[Block] | None = [] if events is not None else None
             for index, block in enumerate(blocks, first):
                 page = pages[index] if index < len(pages) else None
                 if page is None or page.block is not None:
@@ -150,12 +151,15 @@ class Commits(RequestState):
                         storage.set_priority(page, priorities[block.ordinal, g])
                     block[g] = page
                     page.block = block
-                    if events is not None:
-                        events.stored(block, g, page.level)
+                    if attached is not None:
+                        attached.append(block)
                     if not page.locks:
                         storage.settle(page)
                 elif block.num_tokens == self._tpb:
                     self._share(g, index, page, existing)
+            if attached:
+                assert events is not None
+                events.stored_blocks(attached, g, GPU_LEVEL)  # (commits happen while ACTIVE)
 
     def _share(self, g: int, index: int, page: Page, existing: Page) -> None:
         """Block `index` is already in the tree with page `existing`: use the tree's page if it

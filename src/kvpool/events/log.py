@@ -15,10 +15,13 @@ manager's own (`cached_blocks`). Partial blocks are not announced (a router hash
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.config import CacheTier
 from kvpool.records import Block, Page
+
+if TYPE_CHECKING:
+    from kvpool.radix import LostBlock
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -26,10 +29,12 @@ MEDIUM_DISK = "DISK"
 MEDIUM_EXTERNAL = "EXTERNAL"  # the shared remote tier
 MEDIA = {CacheTier.GPU: MEDIUM_GPU, CacheTier.HOST: MEDIUM_CPU, CacheTier.DISK: MEDIUM_DISK}
 
-# Records: ("S", key, parent key or None, data, scope key, layer group, level) for a store,
-# ("R", key, layer group, level) for a removal, ("C",) for everything cleared, and
-# ("X", key, parent key or None, data, scope key, layer group) for a value written to the
-# remote tier.
+# Records, in order: ("S", keys, parent keys, datas, scope key, layer group, level) for full
+# blocks (lists; a parent key equal to the scope key means "first block") now stored at a
+# level; ("R", key, layer group, level) for a page removed from a level; ("M", keys, parent
+# keys, datas, scope keys, layer groups, from level, to level) for pages that changed level;
+# ("X", keys, parent keys, datas, scope keys, layer groups) for values written to the remote
+# tier; ("C",) for everything cleared.
 Record = tuple[Any, ...]
 
 
@@ -42,45 +47,73 @@ class KVEventLog:
         publish: Callable[[list[Record]], None],
         max_pending: int = 65_536,
     ) -> None:
-        self._tpb = tokens_per_block
+        self.tokens_per_block = tokens_per_block
         self._publish = publish
         self._max_pending = max_pending
         self.pending: list[Record] = []
         self.num_batches = 0  # handed to the publisher so far (the next batch's sequence number)
 
-    def stored(self, block: Block, layer_group: int, level: int) -> None:
-        if block.num_tokens == self._tpb:
-            parent = block.parent
-            parent_key = None if parent is None or parent.parent is None else parent.key
-            self.pending.append(
-                ("S", block.key, parent_key, block.data, block.scope, layer_group, level)
+    def stored_blocks(self, blocks: list[Block], layer_group: int, level: int) -> None:
+        """A committed chain of full blocks of one scope (each block's page of `layer_group`)."""
+        self.pending.append(
+            (
+                "S",
+                [block.key for block in blocks],
+                [block.parent.key for block in blocks],  # type: ignore[union-attr]
+                [block.data for block in blocks],
+                blocks[0].scope,
+                layer_group,
+                level,
             )
-            if len(self.pending) >= self._max_pending:
-                self.flush()
+        )
+        if len(self.pending) >= self._max_pending:
+            self.flush()
+
+    def stored(self, block: Block, layer_group: int, level: int) -> None:
+        if block.num_tokens == self.tokens_per_block:
+            self.stored_blocks([block], layer_group, level)
 
     def removed(self, block: Block, layer_group: int, level: int) -> None:
-        if block.num_tokens == self._tpb:
+        if block.num_tokens == self.tokens_per_block:
             self.pending.append(("R", block.key, layer_group, level))
 
     def moved(self, pages: Iterable[Page], source_level: int, level: int) -> None:
         """Pages that changed level (the tree's copies among them are announced)."""
-        tpb, pending = self._tpb, self.pending
-        for page in pages:
-            block = page.block
-            if block is not None and block.num_tokens == tpb:
-                group = page.layer_group
-                parent = block.parent
-                parent_key = None if parent is None or parent.parent is None else parent.key
-                pending.append(("R", block.key, group, source_level))
-                pending.append(("S", block.key, parent_key, block.data, block.scope, group, level))
-        if len(pending) >= self._max_pending:
+        tpb = self.tokens_per_block
+        moved = [
+            (block, page.layer_group)
+            for page in pages
+            if (block := page.block) is not None and block.num_tokens == tpb
+        ]
+        if not moved:
+            return
+        self.pending.append(
+            (
+                "M",
+                [block.key for block, _ in moved],
+                [block.parent.key for block, _ in moved],  # type: ignore[union-attr]
+                [block.data for block, _ in moved],
+                [block.scope for block, _ in moved],
+                [group for _, group in moved],
+                source_level,
+                level,
+            )
+        )
+        if len(self.pending) >= self._max_pending:
             self.flush()
 
-    def written_remote(
-        self, blocks: Sequence[tuple[bytes, bytes | None, bytes, bytes, int]]
-    ) -> None:
-        """Values (key, parent key, data, scope key, layer group) queued for the remote tier."""
-        self.pending += [("X", *block) for block in blocks]
+    def written_remote(self, blocks: Sequence[tuple[LostBlock, int]]) -> None:
+        """Pages (what their block was, layer group) queued for the remote tier."""
+        self.pending.append(
+            (
+                "X",
+                [block.key for block, _ in blocks],
+                [block.parent_key or block.scope for block, _ in blocks],
+                [block.data for block, _ in blocks],
+                [block.scope for block, _ in blocks],
+                [group for _, group in blocks],
+            )
+        )
 
     def cleared(self) -> None:
         self.pending.append(("C",))

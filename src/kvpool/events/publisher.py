@@ -50,6 +50,8 @@ class KVEventPublisher:
         self.config = config
         self._media = list(media)
         self._tpb = tokens_per_block
+        self._unpack = struct.Struct(f"<{tokens_per_block}i").unpack
+        self._data_bytes = 4 * tokens_per_block  # a block's tokens, encoded, without digests
         self.scopes: dict[bytes, ReuseScope] = {}  # scope key -> scope, for lora ids and salts
         self._topic = config.topic.encode()
         self._queue: queue.Queue[list[Record] | None] = queue.Queue(config.max_queue_batches)
@@ -138,69 +140,39 @@ class KVEventPublisher:
     def _events(self, records: list[Record]) -> list[Any]:
         """Records as wire events, runs merged: consecutive stores of a chain on one medium and
         layer group are one `BlockStored`, consecutive removals one `BlockRemoved`."""
-        wire, media, block_hash = self._wire, self._media, self._wire.block_hash
-        events: list[Any] = []
-        stored: Any = None  # the BlockStored being extended, its medium, group and last key
-        removed: Any = None
-        last_key = b""
+        media, external = self._media, self._wire.MEDIUM_EXTERNAL
+        merger = _Merger(self)
         for record in records:
             kind = record[0]
             if kind == "R":
                 _, key, group, level = record
-                stored = None
+                merger.removed(key, group, media[level])
+            elif kind == "S":
+                _, keys, parents, datas, scope, group, level = record
                 medium = media[level]
-                if removed is not None and removed.group_idx == group and removed.medium == medium:
-                    removed.block_hashes.append(block_hash(key))
-                else:
-                    removed = wire.BlockRemoved([block_hash(key)], medium, group_idx=group)
-                    events.append(removed)
-            elif kind in ("S", "X"):
-                if kind == "S":
-                    _, key, parent_key, data, scope_key, group, level = record
-                    medium = media[level]
-                else:
-                    _, key, parent_key, data, scope_key, group = record
-                    medium = wire.MEDIUM_EXTERNAL
-                removed = None
-                tokens, digests = self._tokens(data)
-                scope = self.scopes.get(scope_key)
-                extra = self._extra(scope, digests)
-                if (
-                    stored is not None
-                    and stored.group_idx == group
-                    and stored.medium == medium
-                    and parent_key == last_key
-                    and stored.lora_id == (scope.lora_id if scope else None)
+                for key, parent, data in zip(keys, parents, datas, strict=True):
+                    merger.stored(key, parent, data, scope, group, medium)
+            elif kind == "M":
+                _, keys, parents, datas, scopes, groups, source, target = record
+                for key, group in zip(keys, groups, strict=True):
+                    merger.removed(key, group, media[source])
+                medium = media[target]
+                for key, parent, data, scope, group in zip(
+                    keys, parents, datas, scopes, groups, strict=True
                 ):
-                    stored.block_hashes.append(block_hash(key))
-                    stored.token_ids += tokens
-                    if stored.extra_keys is not None or extra is not None:
-                        if stored.extra_keys is None:
-                            stored.extra_keys = [None] * (len(stored.block_hashes) - 1)
-                        stored.extra_keys.append(extra)
-                else:
-                    stored = wire.BlockStored(
-                        [block_hash(key)],
-                        None if parent_key is None else block_hash(parent_key),
-                        tokens,
-                        self._tpb,
-                        scope.lora_id if scope else None,
-                        medium,
-                        None,
-                        extra_keys=None if extra is None else [extra],
-                        group_idx=group,
-                    )
-                    events.append(stored)
-                last_key = key
+                    merger.stored(key, parent, data, scope, group, medium)
+            elif kind == "X":
+                _, keys, parents, datas, scopes, groups = record
+                for key, parent, data, scope, group in zip(
+                    keys, parents, datas, scopes, groups, strict=True
+                ):
+                    merger.stored(key, parent, data, scope, group, external)
             else:
-                stored = removed = None
-                events.append(wire.AllBlocksCleared())
-        return events
+                merger.cleared()
+        return merger.events
 
     def _tokens(self, data: bytes) -> tuple[list[int], list[bytes]]:
         """A block's token ids (-1 for a multimodal digest) and its digests."""
-        if len(data) == 4 * self._tpb:
-            return list(struct.unpack(f"<{self._tpb}i", data)), []
         tokens: list[int] = []
         digests: list[bytes] = []
         offset = 0
@@ -220,6 +192,83 @@ class KVEventPublisher:
         if scope is not None and scope.salt is not None:
             extra = (scope.salt, *extra)
         return extra or None
+
+
+class _Merger:
+    """Builds wire events from records one block at a time, extending the last event while
+    the run continues (same kind, medium, layer group; for stores, the next block of the
+    chain in the same scope)."""
+
+    def __init__(self, publisher: KVEventPublisher) -> None:
+        self._publisher = publisher
+        self._wire = publisher._wire
+        self.events: list[Any] = []
+        self._stored: Any = None
+        self._removed: Any = None
+        self._last_key = b""
+        self._last_scope = b""
+
+    def removed(self, key: bytes, group: int, medium: str) -> None:
+        self._stored = None
+        hashed = int.from_bytes(key[-8:], "big")  # (wire.block_hash, inlined: a hot loop)
+        last = self._removed
+        if last is not None and last.group_idx == group and last.medium == medium:
+            last.block_hashes.append(hashed)
+        else:
+            self._removed = self._wire.BlockRemoved([hashed], medium, group_idx=group)
+            self.events.append(self._removed)
+
+    def stored(
+        self, key: bytes, parent: bytes, data: bytes, scope: bytes, group: int, medium: str
+    ) -> None:
+        self._removed = None
+        publisher = self._publisher
+        if len(data) == publisher._data_bytes:
+            tokens, extra = list(publisher._unpack(data)), self._salt(scope)
+        else:
+            tokens, digests = publisher._tokens(data)
+            extra = publisher._extra(publisher.scopes.get(scope), digests)
+        hashed = int.from_bytes(key[-8:], "big")
+        last = self._stored
+        if (
+            last is not None
+            and parent == self._last_key
+            and scope == self._last_scope
+            and last.group_idx == group
+            and last.medium == medium
+        ):
+            last.block_hashes.append(hashed)
+            last.token_ids += tokens
+            if last.extra_keys is not None or extra is not None:
+                if last.extra_keys is None:
+                    last.extra_keys = [None] * (len(last.block_hashes) - 1)
+                last.extra_keys.append(extra)
+        else:
+            scope_of = publisher.scopes.get(scope)
+            self._stored = self._wire.BlockStored(
+                [hashed],
+                None if parent == scope else int.from_bytes(parent[-8:], "big"),
+                tokens,
+                publisher._tpb,
+                None if scope_of is None else scope_of.lora_id,
+                medium,
+                None,
+                extra_keys=None if extra is None else [extra],
+                group_idx=group,
+            )
+            self.events.append(self._stored)
+        self._last_key, self._last_scope = key, scope
+
+    def _salt(self, scope: bytes) -> tuple[Any, ...] | None:
+        """The extra key of a block without digests: its scope's salt, if any."""
+        scope_of = self._publisher.scopes.get(scope)
+        if scope_of is None or scope_of.salt is None:
+            return None
+        return (scope_of.salt,)
+
+    def cleared(self) -> None:
+        self._stored = self._removed = None
+        self.events.append(self._wire.AllBlocksCleared())
 
 
 __all__ = ["END_SEQUENCE", "KVEventPublisher"]

@@ -170,7 +170,7 @@ class ManagerCore:
             queued = self._remote.write_back(items, storage.read_page)
             if self._kv_events is not None and queued:
                 self._kv_events.written_remote(
-                    [(*items[i][0], items[i][1].layer_group) for i in queued]
+                    [(items[i][0], items[i][1].layer_group) for i in queued]
                 )
         return orphans
 
