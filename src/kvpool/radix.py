@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from hashlib import sha256
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from kvpool.layout import KVLayout
 from kvpool.lifecycles import AttentionLifeCycle, SsmLifeCycle
-from kvpool.records import Block, Page
+from kvpool.records import Block, LostBlock, Page
 from kvpool.tokens import Token, _common_token_prefix, encode_checked, encode_tokens
 
 if TYPE_CHECKING:
@@ -48,15 +48,6 @@ def _remove_child(parent: Block, block: Block) -> None:
     del kids[block.key]
     if len(kids) == 1:
         (parent.kids,) = kids.values()
-
-
-class LostBlock(NamedTuple):
-    """What a block that left the tree was (for writing its pages elsewhere)."""
-
-    key: bytes
-    parent_key: bytes | None  # None for a scope's first block
-    data: bytes
-    scope: bytes
 
 
 def lost_block(block: Block, tokens_per_block: int) -> LostBlock | None:

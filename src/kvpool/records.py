@@ -15,7 +15,7 @@ Likewise the tree reuses Block objects that left it: requests keep block keys, n
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvpool.tokens import Token, decode_tokens
 
@@ -169,3 +169,12 @@ class Block(list["Page | None"]):
             f"Block(ordinal {self.ordinal}, {self.num_tokens} tokens, "
             f"{len(self.children)} children)"
         )
+
+
+class LostBlock(NamedTuple):
+    """What a block that left the tree was (for writing its pages elsewhere)."""
+
+    key: bytes
+    parent_key: bytes | None  # None for a scope's first block
+    data: bytes
+    scope: bytes

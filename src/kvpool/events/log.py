@@ -15,13 +15,10 @@ manager's own (`cached_blocks`). Partial blocks are not announced (a router hash
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvpool.config import CacheTier
-from kvpool.records import Block, Page
-
-if TYPE_CHECKING:
-    from kvpool.radix import LostBlock
+from kvpool.records import Block, LostBlock, Page
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"

@@ -25,9 +25,9 @@ from kvpool.errors import LogicError
 from kvpool.events.log import MEDIA, KVEventLog
 from kvpool.layout import KVLayout
 from kvpool.manager.invariants import check_invariants
-from kvpool.radix import LostBlock, RadixTree, lost_block
+from kvpool.radix import RadixTree, lost_block
 from kvpool.rebalance import DemandEstimator
-from kvpool.records import Page
+from kvpool.records import LostBlock, Page
 from kvpool.remote import RemoteStatistics, RemoteTier
 from kvpool.stats import Counters, LatencyHistogram, ManagerStats, PoolGroupUsage
 from kvpool.storage.pools import LevelStorage

@@ -22,8 +22,7 @@ from hashlib import sha256
 from kvpool.config import RemoteCacheTierConfig
 from kvpool.layout import KVLayout
 from kvpool.lifecycles import AttentionLifeCycle
-from kvpool.radix import LostBlock
-from kvpool.records import Page
+from kvpool.records import LostBlock, Page
 from kvpool.remote.store import RemoteStatistics, RemoteStore, WriteBack
 from kvpool.remote.values import decode_value, encode_value, key_of, namespace_of
 from kvpool.tokens import Token, encode_checked
