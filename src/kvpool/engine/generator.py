@@ -136,6 +136,7 @@ class Generator:
                 fed = result.tokens[-1]  # computed now; its logits give the next token
                 self._emit(result, self.decoder.forward(result.cache, [fed]))
                 result.cache.commit([fed])
+            self.manager.flush_kv_events()  # (the step's KV events, one batch)
             if not (prefilled or decodes or closed) and suspended and not running:
                 raise RuntimeError("the GPU level cannot hold a single request of this batch")
 
