@@ -179,13 +179,13 @@ class ManagerCore:
 
         media = [MEDIA[level.tier] for level in self._levels]
         try:
-            self._publisher = KVEventPublisher(config, media, self.tokens_per_block)
+            self._publisher = KVEventPublisher(config)
         except BaseException:
             if self._remote is not None:
                 self._remote.close()
             self._storage.close()
             raise
-        self._kv_events = KVEventLog(self.tokens_per_block, self._publisher.publish)
+        self._kv_events = KVEventLog(self.tokens_per_block, media, self._publisher.publish)
         self._storage.kv_events = self._tree.kv_events = self._kv_events
 
     def flush_kv_events(self) -> None:

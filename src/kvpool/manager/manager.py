@@ -54,8 +54,8 @@ class KVCacheManager(Rebalancing):
         check_bool("exclude_from_stats", exclude_from_stats)
         tokens = [] if input_tokens is None else token_list("input_tokens", input_tokens)
         match, prefix = self._match(scope_key, tokens)
-        if self._publisher is not None and scope_key not in self._publisher.scopes:
-            self._publisher.scopes[scope_key] = reuse_scope or ReuseScope()  # (lora ids, salts)
+        if self._kv_events is not None and scope_key not in self._kv_events.scopes:
+            self._kv_events.scopes[scope_key] = reuse_scope or ReuseScope()  # (lora ids, salts)
         cache = self._cache_class(
             self._context, id, scope_key, priority_callback, exclude_from_stats
         )
