@@ -57,6 +57,8 @@ from kvpool import (
     SsmLayerConfig,
     StorageError,
 )
+from kvpool.events import cached_blocks
+from kvpool.events.log import MEDIA, KVEventLog
 from kvpool.lifecycles import SsmLifeCycle
 from tests.engine_check import CheckingEngine
 from tests.faults import DiskFaults, state_of
@@ -166,6 +168,13 @@ class Run:
         self.callback_calls = 0
         self._fault_ttl = 0
         self._injected_before = 0
+        # KV events, applied to a router's view (in process): after every operation, whatever
+        # failed or was interrupted, the view must equal the tree's.
+        manager = self.manager
+        media = [MEDIA[manager.get_tier(level)] for level in range(manager.num_levels)]
+        self.event_view: dict[str, set[tuple[int, int]]] = {}
+        log = KVEventLog(TPB, media, self._apply_events)
+        manager._kv_events = manager._storage.kv_events = manager._tree.kv_events = log
 
     # -- operations ----------------------------------------------------------------------------
 
@@ -440,9 +449,27 @@ class Run:
 
     # -- checks --------------------------------------------------------------------------------
 
+    def _apply_events(self, events: list[Any]) -> None:
+        for event in events:
+            kind = type(event).__name__
+            if kind == "AllBlocksCleared":
+                self.event_view.clear()
+                continue
+            blocks = self.event_view.setdefault(event.medium, set())
+            for pair in [(h, event.group_idx) for h in event.block_hashes]:
+                if kind == "BlockStored":
+                    assert pair not in blocks, f"KV event stores {pair} twice on {event.medium}"
+                    blocks.add(pair)
+                else:
+                    assert pair in blocks, f"KV event removes {pair}, not on {event.medium}"
+                    blocks.discard(pair)
+
     def verify(self) -> None:
         manager = self.manager
         manager.check_invariants()
+        manager.flush_kv_events()
+        view = {medium: blocks for medium, blocks in self.event_view.items() if blocks}
+        assert view == cached_blocks(manager), "the KV events disagree with the tree"
         layout = manager.layout
         for index in list(self.open_requests):
             request = self._live(index)

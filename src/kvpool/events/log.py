@@ -66,16 +66,18 @@ class KVEventLog:
     # -- what the manager reports ----------------------------------------------------------------
 
     def stored_blocks(self, blocks: Sequence[Block], layer_group: int, level: int) -> None:
-        """Full blocks' pages of `layer_group` now cached at `level` (a committed chain)."""
-        medium = self._media[level]
+        """Blocks' pages of `layer_group` now cached at `level` (a committed chain; a partial
+        tail block among them is not announced)."""
+        medium, tpb = self._media[level], self.tokens_per_block
         for block in blocks:
+            if block.num_tokens != tpb:
+                continue
             parent = block.parent
             assert parent is not None
             self._store(block.key, parent.key, block.data, block.scope, layer_group, medium)
 
     def stored(self, block: Block, layer_group: int, level: int) -> None:
-        if block.num_tokens == self.tokens_per_block:
-            self.stored_blocks((block,), layer_group, level)
+        self.stored_blocks((block,), layer_group, level)
 
     def removed(self, block: Block, layer_group: int, level: int) -> None:
         if block.num_tokens == self.tokens_per_block:
