@@ -19,6 +19,7 @@ from kvpool.replay.driver import ReplayOptions, replay
 from kvpool.replay.models import hf_config_layers
 from kvpool.replay.prefix import exact_block_config, prefix_cache_hit_rate
 from kvpool.replay.workloads import (
+    Request,
     TraceError,
     load_azure,
     load_mooncake,
@@ -248,3 +249,43 @@ def test_lru_reproduces_the_reference_simulator(monkeypatch):
             capacity,
             result.hit_rate,
         )
+
+
+def blocks_request(*ids):
+    return Request(0.0, 512 * len(ids), 1, block_ids=tuple(ids))
+
+
+def test_belady_keeps_what_is_used_soonest_and_caches_nothing_used_later():
+    from kvpool.replay.belady import belady_hit_rate
+
+    # Two slots. Block 3 is never used again: the optimum does not cache it, so 2 and 1 both
+    # hit afterwards (LRU would drop 1 for 3: one hit).
+    requests = [blocks_request(*ids) for ids in ([1], [2], [3], [2], [1])]
+    result = belady_hit_rate(requests, 2, warmup_fraction=0.0)
+    assert (result.hit_tokens, result.measured_tokens) == (2 * 512, 5 * 512)
+    assert prefix_cache_hit_rate(requests, 2, "lru", warmup_fraction=0.0).hit_tokens == 512
+    # A chain: only its leaf can go. Block 2 (never used again) goes for 5, used next.
+    requests = [blocks_request(*ids) for ids in ([1, 2], [5], [1], [5])]
+    result = belady_hit_rate(requests, 2, warmup_fraction=0.0)
+    assert result.hit_tokens == 2 * 512 and result.policy == "belady"
+    # The same block id under another parent is another block.
+    requests = [blocks_request(*ids) for ids in ([1, 2], [3, 2], [1, 2])]
+    assert belady_hit_rate(requests, 4, warmup_fraction=0.0).hit_tokens == 2 * 512
+
+
+@pytest.mark.skipif(not os.path.isfile(CONVERSATION), reason="needs ../shared/traces")
+def test_belady_reproduces_the_reference_optimum_exactly(capsys):
+    from kvpool.replay.belady import belady_hit_rate
+
+    with open(os.path.join(TRACES, "reference_hitrates_kvcache_simulator.json")) as file:
+        references = json.load(file)["traces"]
+    for name in ("mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl"):
+        reference = references[name]
+        optimal = {p["capacity_blocks"]: p for p in reference["points"] if p["policy"] == "optimal"}
+        requests = load_mooncake(os.path.join(TRACES, name))
+        for capacity in (1000, 4000):
+            result = belady_hit_rate(requests, capacity)
+            assert result.hit_tokens == optimal[capacity]["hit_tokens"], (name, capacity)
+    with pytest.raises(SystemExit) as exit_:
+        main(["replay", "--policy", "belady", "--requests", "5", "--no-progress"])
+    assert exit_.value.code == 2 and "only in prefix-cache mode" in capsys.readouterr().err

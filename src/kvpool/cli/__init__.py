@@ -27,7 +27,7 @@ from kvpool.cli.info import DEFAULT_MODEL, in_flag_terms, info_command, tiers_of
 from kvpool.cli.replay import INTERRUPTED, remote_config, replay_command
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.presets import PRESETS
-from kvpool.replay.policy import POLICIES
+from kvpool.replay.policy import OFFLINE_OPTIMUM, POLICIES
 
 __all__ = ["build_parser", "main", "parse_bytes"]
 
@@ -167,7 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scheduler.add_argument("--asap", action="store_true", help="ignore arrival times")
     scheduler.add_argument(
-        "--policy", choices=sorted(POLICIES), default="lru", help="eviction policy"
+        "--policy",
+        choices=[*sorted(POLICIES), OFFLINE_OPTIMUM],
+        default="lru",
+        help=f"eviction policy ({OFFLINE_OPTIMUM}: the offline optimum, with --capacity-blocks)",
     )
     scheduler.add_argument(
         "--no-rebalance", action="store_true", help="never move memory between pool groups"
@@ -254,6 +257,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             if args.capacity_blocks and (args.verify or args.hf_config):
                 parser.error(
                     "--capacity-blocks (prefix-cache mode) takes no --verify or --hf-config"
+                )
+            if args.policy == OFFLINE_OPTIMUM and not args.capacity_blocks:
+                parser.error(
+                    f"--policy {OFFLINE_OPTIMUM} knows the future: only in prefix-cache mode "
+                    "(--capacity-blocks)"
                 )
             if args.capacity_blocks and args.remote:
                 parser.error("--capacity-blocks (prefix-cache mode) takes no --remote")

@@ -30,6 +30,9 @@ class EvictionPolicy:
 POLICIES = {"lru": EvictionPolicy("lru")}
 """The policies a replay can use, by name (only those that behave differently are offered)."""
 
+OFFLINE_OPTIMUM = "belady"
+"""Prefix-cache mode only: the offline optimum, a reference line (it knows the future)."""
+
 
 def policy_for(policy: str | EvictionPolicy) -> EvictionPolicy:
     if isinstance(policy, EvictionPolicy):

@@ -22,7 +22,7 @@ from kvpool.config import (
 )
 from kvpool.errors import ArgumentError
 from kvpool.manager import KVCacheManager
-from kvpool.replay.policy import EvictionPolicy, policy_for
+from kvpool.replay.policy import OFFLINE_OPTIMUM, EvictionPolicy, policy_for
 from kvpool.replay.workloads import MOONCAKE_BLOCK, Request
 from kvpool.storage.pools import gpu_granularity
 
@@ -70,7 +70,12 @@ def prefix_cache_hit_rate(
     should_stop: Callable[[], bool] | None = None,
 ) -> PrefixCacheResult:
     """Replay `requests` through a manager of exactly `capacity_blocks` 512-token blocks
-    (stopping early, with a partial result, when `should_stop()` turns true)."""
+    (stopping early, with a partial result, when `should_stop()` turns true). `policy`
+    "belady" is the offline optimum instead (`kvpool.replay.belady`), a reference line."""
+    if policy == OFFLINE_OPTIMUM:
+        from kvpool.replay.belady import belady_hit_rate
+
+        return belady_hit_rate(requests, capacity_blocks, warmup_fraction, progress, should_stop)
     chosen = policy_for(policy)
     manager = KVCacheManager(exact_block_config(capacity_blocks))
     assert manager.get_slot_counts(0) == [capacity_blocks]
