@@ -105,6 +105,7 @@ class DiskCacheTierConfig:
 CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
 
 REMOTE_SCHEMES = ("valkey", "valkeys", "redis", "rediss")
+EVICTION_POLICIES = ("lru", "age")  # (kvpool.policies)
 
 
 def _is_remote_url(url: object) -> bool:
@@ -260,6 +261,7 @@ class KVCacheManagerConfig:
     rebalance_moving_average_decay: float = 0.9999
     remote_tier: RemoteCacheTierConfig | None = None
     kv_events: KVEventsConfig | None = None
+    eviction_policy: str = "lru"
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first invalid field; return None when all is valid."""
@@ -281,6 +283,8 @@ class KVCacheManagerConfig:
             if not isinstance(self.remote_tier, RemoteCacheTierConfig):
                 _fail("remote_tier", self.remote_tier, "a RemoteCacheTierConfig or None")
             self.remote_tier.validate()
+        if self.eviction_policy not in EVICTION_POLICIES:
+            _fail("eviction_policy", self.eviction_policy, f"one of {list(EVICTION_POLICIES)}")
         if self.kv_events is not None:
             if not isinstance(self.kv_events, KVEventsConfig):
                 _fail("kv_events", self.kv_events, "a KVEventsConfig or None")

@@ -40,6 +40,11 @@ class EvictionQueue:
                 break
         return pages
 
+    def first_at(self, priority: int) -> Page | None:
+        """The page of `priority` evicted first among them (None if there is none)."""
+        pages = self._lists.get(priority)
+        return next(iter(pages)) if pages else None
+
     def push(self, page: Page, evict_first: bool = False) -> None:
         """Add `page` as the newest of its priority (or the oldest, with `evict_first`)."""
         assert not page.queued, page

@@ -117,6 +117,8 @@ class Commits(RequestState):
             self._snapshot_ssm(None, priorities, snapshots)
             return
         blocks, orphans = self._ctx.tree.insert_chain(parent, keys, datas)
+        if self._ctx.policy is not None:
+            self._ctx.policy.inserted(blocks, self._ctx.clock())
         for orphan in orphans:
             self._ctx.storage.settle(orphan)
         self._attach_pages(first, blocks, priorities)

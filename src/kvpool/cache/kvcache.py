@@ -9,7 +9,8 @@ from kvpool.cache.growth import Growth
 from kvpool.cache.remote_loading import RemoteLoading
 from kvpool.cache.state import GPU_LEVEL, KVCacheStatus
 from kvpool.errors import LogicError
-from kvpool.records import Page
+from kvpool.policies import TRANSIENT_PRIORITY
+from kvpool.records import DEFAULT_PRIORITY, Page
 from kvpool.validation import check_index
 
 if TYPE_CHECKING:
@@ -166,6 +167,19 @@ class KVCache(Growth, RemoteLoading):
             if index < 0:
                 storage.unhold(snapshot)
         self._deferred = []
+        policy = self._ctx.policy
+        if policy is not None:
+            now = self._ctx.clock()
+            priority = policy.release_priority(now, self._ctx.oldest_age(now))
+            if priority is not None:
+                for pages in self._pages:
+                    for page in pages:
+                        if (
+                            page is not None
+                            and page.block is not None
+                            and (page.priority in (DEFAULT_PRIORITY, TRANSIENT_PRIORITY))
+                        ):
+                            storage.set_priority(page, priority)
         # Last block first: parents become evictable after their children, so eviction trims
         # a cached chain from its end and shorter prefixes stay reusable.
         release = storage.unlock_all if self._status is KVCacheStatus.ACTIVE else storage.unhold_all

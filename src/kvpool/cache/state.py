@@ -13,6 +13,7 @@ sliding windows), `Commits` (commit and radix-tree insertion) and the life cycle
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -25,6 +26,7 @@ from kvpool import _debug
 from kvpool.errors import LogicError
 from kvpool.layout import KVLayout
 from kvpool.page_table import PageTable
+from kvpool.policies import EvictionPolicy
 from kvpool.radix import RadixTree
 from kvpool.records import Page
 from kvpool.remote import RemotePrefix, RemoteTier
@@ -66,6 +68,9 @@ class CacheContext:
     check_thread: Callable[[], None]
     remote: RemoteTier | None = None
     counters: Counters = field(default_factory=Counters)
+    policy: EvictionPolicy | None = None  # (None: LRU, the queue's own order)
+    clock: Callable[[], float] = time.monotonic
+    oldest_age: Callable[[float], float | None] = lambda now: None
 
 
 class RequestState:

@@ -25,9 +25,10 @@ from kvpool.errors import LogicError
 from kvpool.events.log import MEDIA, KVEventLog
 from kvpool.layout import KVLayout
 from kvpool.manager.invariants import check_invariants
+from kvpool.policies import EvictionPolicy, make_policy
 from kvpool.radix import RadixTree, lost_block
 from kvpool.rebalance import DemandEstimator
-from kvpool.records import LostBlock, Page
+from kvpool.records import DEFAULT_PRIORITY, LostBlock, Page
 from kvpool.remote import RemoteStatistics, RemoteTier
 from kvpool.stats import Counters, LatencyHistogram, ManagerStats, PoolGroupUsage
 from kvpool.storage.pools import LevelStorage
@@ -70,7 +71,8 @@ class ManagerCore:
     def __init__(
         self, config: KVCacheManagerConfig, *, clock: Callable[[], float] | None = None
     ) -> None:
-        """`clock` (seconds, default `time.monotonic`) times the rebalancing cooldown.
+        """`clock` (seconds, default `time.monotonic`) times the rebalancing cooldown and the
+        block ages an eviction policy learns from.
 
         Threads: the manager and its KV caches are driven from one thread (the engine's
         scheduler loop); nothing is locked. With `KVPOOL_DEBUG=1` a call from another thread
@@ -112,6 +114,9 @@ class ManagerCore:
         # engine's loop (like the slot handles and page records).
         self._tree = RadixTree(self.layout, spare_blocks=max(self._levels[0].slot_counts))
         self._storage.on_drop = self._tree.remove_pages
+        self._clock = clock or time.monotonic
+        policy = make_policy(self._config.eviction_policy, max(self._levels[-1].slot_counts))
+        self._policy: EvictionPolicy | None = None if policy.name == "lru" else policy
         self._remote: RemoteTier | None = None
         if self._config.remote_tier is not None:
             try:
@@ -119,7 +124,8 @@ class ManagerCore:
             except BaseException:
                 self._storage.close()
                 raise
-            self._storage.on_drop = self._drop_and_write_back
+        if self._remote is not None or self._policy is not None:
+            self._storage.on_drop = self._drop
         self._kv_events: KVEventLog | None = None
         self._publisher: KVEventPublisher | None = None
         if self._config.kv_events is not None:
@@ -141,14 +147,20 @@ class ManagerCore:
             check_thread=self._check_thread,
             remote=self._remote,
             counters=self._counters,
+            policy=self._policy,
+            clock=self._clock,
+            oldest_age=self._oldest_default_age,
         )
 
-    def _drop_and_write_back(self, pages: Sequence[Page]) -> Sequence[Page]:
-        """The tree's `remove_pages` with a remote tier: the committed full blocks' pages the
-        local levels drop (from the last level, or any level a shrink drops them from), and the
-        pages of the blocks that lose their reuse with them, are written to the remote tier
-        before their slots are freed."""
-        assert self._remote is not None
+    def _drop(self, pages: Sequence[Page]) -> Sequence[Page]:
+        """The tree's `remove_pages`, telling the eviction policy (last level) and the remote
+        tier: the committed full blocks' pages the local levels drop (from the last level, or
+        any level a shrink drops them from), and the pages of the blocks that lose their reuse
+        with them, are written to the remote tier before their slots are freed."""
+        if self._policy is not None and pages and pages[0].level == self._storage.last_level:
+            self._policy.dropped([page.block for page in pages if page.block is not None])
+        if self._remote is None:
+            return self._tree.remove_pages(pages)
         tpb, storage = self.tokens_per_block, self._storage
         items: list[tuple[LostBlock, Page]] = []
         for page in pages:
@@ -173,6 +185,18 @@ class ManagerCore:
                     [(items[i][0], items[i][1].layer_group) for i in queued]
                 )
         return orphans
+
+    def _oldest_default_age(self, now: float) -> float | None:
+        """Age of the oldest default-priority block at the last level (the next LRU victim;
+        None when there is none), for the eviction policy."""
+        level = self._storage.last_level
+        oldest = None
+        for queue in self._storage.queues[level]:
+            page = queue.first_at(DEFAULT_PRIORITY)
+            if page is not None and page.block is not None and page.block.used_at:
+                age = now - page.block.used_at
+                oldest = age if oldest is None else max(oldest, age)
+        return oldest
 
     def _start_kv_events(self, config: KVEventsConfig) -> None:
         from kvpool.events.publisher import KVEventPublisher

@@ -65,6 +65,8 @@ class KVCacheManager(Rebalancing):
         if match.num_tokens:
             cache.adopt_match(match, tokens)
             self._count_hits(cache, match.num_tokens)
+        if self._policy is not None:
+            self._policy.used(match.blocks, self._clock())
         if prefix is not None:
             cache._remote = prefix
             cache._remote_tokens = (prefix.end - prefix.start) * self.tokens_per_block

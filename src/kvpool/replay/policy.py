@@ -19,6 +19,7 @@ class EvictionPolicy:
     """How replayed requests prioritize their blocks for eviction."""
 
     name: str
+    manager_policy: str = "lru"  # the manager's eviction policy (KVCacheManagerConfig)
 
     def priority(self, ordinal: int, layer_group: int) -> int:
         return DEFAULT_PRIORITY
@@ -27,7 +28,7 @@ class EvictionPolicy:
         """Called when a request was created with a reused prefix."""
 
 
-POLICIES = {"lru": EvictionPolicy("lru")}
+POLICIES = {"lru": EvictionPolicy("lru"), "age": EvictionPolicy("age", manager_policy="age")}
 """The policies a replay can use, by name (only those that behave differently are offered)."""
 
 OFFLINE_OPTIMUM = "belady"

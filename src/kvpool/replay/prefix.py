@@ -10,6 +10,7 @@ and closed, so its blocks stay cached until eviction pushes them out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,7 +78,11 @@ def prefix_cache_hit_rate(
 
         return belady_hit_rate(requests, capacity_blocks, warmup_fraction, progress, should_stop)
     chosen = policy_for(policy)
-    manager = KVCacheManager(exact_block_config(capacity_blocks))
+    config = dataclasses.replace(
+        exact_block_config(capacity_blocks), eviction_policy=chosen.manager_policy
+    )
+    now = [0.0]  # the trace's time: what an eviction policy learns block ages from
+    manager = KVCacheManager(config, clock=lambda: now[0])
     assert manager.get_slot_counts(0) == [capacity_blocks]
     warmup = int(len(requests) * warmup_fraction)
     measured = hits = 0
@@ -90,6 +95,7 @@ def prefix_cache_hit_rate(
             if progress is not None and index % 256 == 0:
                 progress(index, len(requests))
             prompt = request.tokens()
+            now[0] = request.arrival
             cache = manager.create_kv_cache(None, prompt, priority_callback=chosen.priority)
             reused = cache.num_committed_tokens
             chosen.on_reuse(manager, cache)
