@@ -78,7 +78,9 @@ def test_a_transient_request_is_evicted_before_an_older_default_one(monkeypatch)
     try:
         engine = CheckingEngine(m)
         decisions = iter([DEFAULT_PRIORITY, TRANSIENT_PRIORITY])
-        monkeypatch.setattr(m._policy, "release_priority", lambda now, age: next(decisions, DEFAULT_PRIORITY))
+        monkeypatch.setattr(
+            m._policy, "release_priority", lambda now, age: next(decisions, DEFAULT_PRIORITY)
+        )
         older, newer = [list(range(n * 1000, n * 1000 + 8 * TPB)) for n in (1, 2)]
         for tokens in (older, newer):
             cache = m.create_kv_cache(None, [])

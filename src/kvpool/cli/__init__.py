@@ -169,8 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument(
         "--policy",
         choices=[*sorted(POLICIES), OFFLINE_OPTIMUM],
+        nargs="+",
         default="lru",
-        help=f"eviction policy ({OFFLINE_OPTIMUM}: the offline optimum, with --capacity-blocks)",
+        help=f"eviction policy ({OFFLINE_OPTIMUM}: the offline optimum; with --capacity-blocks, "
+        "several policies side by side)",
     )
     scheduler.add_argument(
         "--no-rebalance", action="store_true", help="never move memory between pool groups"
@@ -258,10 +260,14 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 parser.error(
                     "--capacity-blocks (prefix-cache mode) takes no --verify or --hf-config"
                 )
-            if args.policy == OFFLINE_OPTIMUM and not args.capacity_blocks:
+            if OFFLINE_OPTIMUM in args.policy and not args.capacity_blocks:
                 parser.error(
                     f"--policy {OFFLINE_OPTIMUM} knows the future: only in prefix-cache mode "
                     "(--capacity-blocks)"
+                )
+            if len(args.policy) > 1 and not args.capacity_blocks:
+                parser.error(
+                    "several --policy values: only in prefix-cache mode (--capacity-blocks)"
                 )
             if args.capacity_blocks and args.remote:
                 parser.error("--capacity-blocks (prefix-cache mode) takes no --remote")
@@ -309,6 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(joined_negative_sizes(sys.argv[1:] if argv is None else argv))
     if args.disk and args.disk_path is None:
         args.disk_path = _default_disk_path()
+    if isinstance(getattr(args, "policy", None), str):
+        args.policy = [args.policy]  # (the default; given, it is a list)
     _check(parser, args)
     if hasattr(args, "model") and not args.hf_config and not args.model:
         args.model = DEFAULT_MODEL

@@ -19,6 +19,7 @@ from kvpool.config import KVCacheManagerConfig, RemoteCacheTierConfig
 from kvpool.errors import ArgumentError, KVPoolError
 from kvpool.remote.store import url_without_password
 from kvpool.replay.driver import ReplayOptions, ReplayReport, replay
+from kvpool.replay.policy import policy_for
 from kvpool.replay.prefix import prefix_cache_hit_rate
 from kvpool.replay.report import (
     format_bytes,
@@ -114,6 +115,7 @@ def manager_config(args: argparse.Namespace) -> tuple[KVCacheManagerConfig, str]
         rebalance_min_sampled_kv_caches=args.rebalance_min_samples,
         rebalance_cooldown_secs=0.0,
         rebalance_target_ratio_update_interval=max(1, args.rebalance_min_samples // 4),
+        eviction_policy=policy_for(args.policy[0]).manager_policy,
     )
     try:
         config.validate()
@@ -153,7 +155,7 @@ def setup_of(
         "pool_groups": pool_groups,
         "tokens_per_block": args.tokens_per_block,
         "levels": levels,
-        "policy": args.policy,
+        "policy": args.policy[0],
         "seed": args.seed,
         "scheduler": {
             "max_batch": args.max_batch,
@@ -182,7 +184,7 @@ def command_line(args: argparse.Namespace) -> list[str]:
     if args.disk:
         argv += ["--disk-path", str(args.disk_path)]
     argv += ["--max-batch", str(args.max_batch), "--prefill-chunk", str(args.prefill_chunk)]
-    argv += ["--step-ms", repr(args.step_ms), "--policy", args.policy]
+    argv += ["--step-ms", repr(args.step_ms), "--policy", *args.policy]
     argv += ["--rebalance-min-samples", str(args.rebalance_min_samples)]
     argv += [
         flag
@@ -238,7 +240,7 @@ def replay_command(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         step_seconds=args.step_ms / 1000.0,
         as_fast_as_possible=args.asap,
-        policy=args.policy,
+        policy=args.policy[0],
         verify=args.verify,
         rebalance=not args.no_rebalance,
     )
@@ -328,18 +330,21 @@ def prefix_cache_table(
         stop_on_interrupt() as should_stop,
         Progress(transient=True, disable=not args.progress) as bar,
     ):
-        for capacity in args.capacity_blocks:
-            task = bar.add_task(f"{capacity:,} blocks", total=len(workload))
+        for policy in args.policy:
+            for capacity in args.capacity_blocks:
+                task = bar.add_task(f"{policy}, {capacity:,} blocks", total=len(workload))
 
-            def advance(done: int, total: int, task: Any = task) -> None:
-                bar.update(task, completed=done)
+                def advance(done: int, total: int, task: Any = task) -> None:
+                    bar.update(task, completed=done)
 
-            result = prefix_cache_hit_rate(
-                workload, capacity, args.policy, progress=advance, should_stop=should_stop
-            )
-            bar.update(task, completed=len(workload))
-            results.append(result)
-            if result.partial:
+                result = prefix_cache_hit_rate(
+                    workload, capacity, policy, progress=advance, should_stop=should_stop
+                )
+                bar.update(task, completed=len(workload))
+                results.append(result)
+                if result.partial:
+                    break
+            if results and results[-1].partial:
                 break
     partial = any(result.partial for result in results)
     table = Table(title=f"prefix-cache hit rate: {title} (512-token blocks, first half warms up)")
@@ -368,13 +373,9 @@ def prefix_cache_table(
         atomic_write(args.json, lambda path: write_json(data, path))
     if args.plot:
         complete = [r for r in results if not r.partial]
-        atomic_write(
-            args.plot,
-            lambda path: write_capacity_plot(
-                [r.capacity_blocks for r in complete],
-                [r.hit_rate for r in complete],
-                args.policy,
-                path,
-            ),
-        )
+        curves = {
+            policy: [(r.capacity_blocks, r.hit_rate) for r in complete if r.policy == policy]
+            for policy in args.policy
+        }
+        atomic_write(args.plot, lambda path: write_capacity_plot(curves, path))
     return INTERRUPTED if partial else 0

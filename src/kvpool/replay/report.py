@@ -243,16 +243,19 @@ def write_plot(
 
 
 def write_capacity_plot(
-    capacities: Sequence[int], hit_rates: Sequence[float], policy: str, path: str | os.PathLike[str]
+    curves: dict[str, list[tuple[int, float]]], path: str | os.PathLike[str]
 ) -> None:
-    """Prefix-cache mode: hit rate against cache size (blocks, log scale)."""
+    """Prefix-cache mode: hit rate against cache size (blocks, log scale), one line per
+    policy (`curves`: policy -> (capacity, hit rate) points)."""
     pyplot = _pyplot()
     figure, axes = pyplot.subplots(figsize=(8, 5))
-    axes.plot(capacities, hit_rates, marker="o", label=policy)
+    for policy, points in curves.items():
+        axes.plot([c for c, _ in points], [h for _, h in points], marker="o", label=policy)
     axes.set_xscale("log")
     axes.set_xlabel("cache size (512-token blocks)")
     axes.set_ylabel("prefix hit rate")
-    axes.set_ylim(0, max([*hit_rates, 0.01]) * 1.15)
+    highest = max([h for points in curves.values() for _, h in points] + [0.01])
+    axes.set_ylim(0, highest * 1.15)
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(loc="upper left")
     axes.set_title("prefix-cache hit rate against cache size")
