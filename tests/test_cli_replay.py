@@ -307,7 +307,7 @@ def test_verbose_logs_what_the_library_does_and_quiet_does_not(capsys):
 def test_prefix_cache_mode_compares_policies_side_by_side(capsys, tmp_path):
     trace = write(tmp_path, "t.jsonl", MOONCAKE_SAMPLE * 4)
     path, report = tmp_path / "capacity.svg", tmp_path / "r.json"
-    status, out, _ = run_cli(
+    status, _, _ = run_cli(
         capsys, "replay", trace, "--capacity-blocks", "2", "8", "--policy", "lru", "age",
         "belady", "--plot", str(path), "--json", str(report), "--no-progress",
     )  # fmt: skip
