@@ -233,7 +233,6 @@ class RadixTree:
             block.key, block.parent, block.data, block.num_tokens = key, parent, data, num_tokens
             block.ordinal = parent.ordinal + 1
             block.scope = parent.scope
-            block.used_at = 0.0
             block.kids = None
             block.num_partial_children = 0
             block.in_tree = True

@@ -128,7 +128,8 @@ class Block(list["Page | None"]):
         self.num_tokens = num_tokens
         self.ordinal: int = -1 if parent is None else parent.ordinal + 1
         self.scope: bytes = key if parent is None else parent.scope  # the root's key
-        self.used_at = 0.0  # when a request last used it (kept only by an eviction policy)
+        self.used_at = 0.0  # when a request last used it (kept, and reset on insertion, only by
+        # an eviction policy that needs it)
         self.kids: Block | dict[bytes, Block] | None = None
         self.num_partial_children = 0  # children with fewer tokens than a block
         self.in_tree = True

@@ -82,6 +82,9 @@ class KVCacheManager(Rebalancing):
         """Reused tokens by the level they are served from: a block counts at the coldest of
         the pages the request holds for it."""
         tpb, hits = self.tokens_per_block, self._counters.hit_tokens_by_level
+        if len(hits) == 1:  # one level: no walk
+            hits[0] += reused
+            return
         tables = cache._pages
         for index in range(-(-reused // tpb)):
             level = 0
