@@ -105,6 +105,10 @@ LAYOUTS: dict[str, Callable[[str], KVCacheManagerConfig]] = {
     # Every level small: suspended requests' held pages fill all of them, so resumes must swap
     # pages between levels and allocations fail for want of droppable pages.
     "tight": lambda d: _config([_kv(0), _kv(1)], _tiers(d, gpu=2, host=2, disk=2)),
+    # The experimental age eviction policy: priorities changed at release, transient pages.
+    "age-policy": lambda d: _config(
+        [_kv(0), _kv(1)], _tiers(d, gpu=2, host=2, disk=4), eviction_policy="age"
+    ),
     "no-partial-reuse": lambda d: _config(
         [_kv(0), _kv(1)], _tiers(d, gpu=2, host=2), enable_partial_reuse=False
     ),
