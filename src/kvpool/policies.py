@@ -25,7 +25,7 @@ what it reaches and where it still falls short.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvpool.config import EVICTION_POLICIES
 from kvpool.errors import ConfigError
@@ -53,37 +53,45 @@ class EvictionPolicy:
 
 
 class AgePolicy(EvictionPolicy):
-    """Transient admission by a learned reuse hazard over block ages (module docstring)."""
+    """Transient admission by a learned reuse hazard over block ages (module docstring).
+
+    The hazard per age bin is reuses seen at that age over the time blocks spent at that age
+    (exposure), counting eviction candidates only: cached leaves and the ghosts of dropped
+    blocks. Exposure is sampled: every eighth of a capacity's worth of inserted blocks, each
+    leaf's and ghost's age adds a sample period to its bin (an O(capacity) walk every
+    capacity / 8 insertions: O(1) per inserted block, amortized)."""
 
     name = "age"
 
     def __init__(
         self,
         capacity_blocks: int,
-        horizon_factor: float = 2.0,
+        leaf_times: Callable[[], Iterable[float]] = tuple,
+        horizon_factor: float = 1.0,
         bins: int = 48,
         ghosts_per_block: int = 4,
         fade: float = 0.7,
     ) -> None:
         self.capacity = capacity_blocks
+        self.leaf_times = leaf_times  # last-use times of the cached leaf blocks
         self.horizon_factor = horizon_factor
         self.bins = bins
         self.ghost_limit = ghosts_per_block * capacity_blocks
-        self.fade = fade  # kept per capacity's worth of inserted blocks
+        self.fade = fade ** (1 / 8)  # per sample: `fade` per capacity's worth of inserted blocks
         self.ghosts: dict[bytes, float] = {}  # dropped block key -> its last use
         self.events = [0.0] * bins  # reuses per age bin
-        self.ends = [0.0] * bins  # lifetimes (reuse or forgotten) ending per age bin
+        self.exposure = [0.0] * bins  # seconds spent in each age bin
         self.start: float | None = None
         self.inserts = 0
         self.width = 0.0  # seconds per bin, once the inflow rate is known
         self.horizon = 0.0
-        self._since_fade = 0
+        self.period = 0.0  # seconds between exposure samples
+        self._next_sample = math.inf
         self._scores: list[float] | None = None
 
     # -- hooks -----------------------------------------------------------------------------------
 
     def used(self, blocks: Sequence[Block], now: float) -> None:
-        self._latest = now
         if blocks:
             deepest = blocks[-1]
             if deepest.kids is None and deepest.used_at:  # a cached leaf reused
@@ -92,7 +100,6 @@ class AgePolicy(EvictionPolicy):
                 block.used_at = now
 
     def inserted(self, blocks: Sequence[Block], now: float) -> None:
-        self._latest = now
         if self.start is None:
             self.start = now
         ghosts = self.ghosts
@@ -102,30 +109,24 @@ class AgePolicy(EvictionPolicy):
                 self._reused(now - used)
             block.used_at = now
         self.inserts += len(blocks)
-        self._since_fade += len(blocks)
         if not self.width and self.inserts >= self.capacity and now > self.start:
             rate = self.inserts / (now - self.start)  # blocks per second
             self.width = self.ghost_limit / rate / self.bins
             self.horizon = self.horizon_factor * self.capacity / rate
-        if self._since_fade >= self.capacity:
-            self._since_fade = 0
-            self.events = [e * self.fade for e in self.events]
-            self.ends = [e * self.fade for e in self.ends]
-            self._scores = None
+            self.period = self.capacity / rate / 8
+            self._next_sample = now
+        if now >= self._next_sample:
+            self._sample(now)
 
     def dropped(self, blocks: Sequence[Block]) -> None:
         ghosts = self.ghosts
         for block in blocks:
             if block.used_at:
                 ghosts[block.key] = block.used_at
-        while len(ghosts) > self.ghost_limit:  # the oldest ghost is forgotten: censored
-            key = next(iter(ghosts))
-            used = ghosts.pop(key)
-            if self.width and self.start is not None:
-                self._end(max(0.0, self._latest - used))
+        while len(ghosts) > self.ghost_limit:  # forget the oldest
+            del ghosts[next(iter(ghosts))]
 
     def release_priority(self, now: float, oldest_age: float | None) -> int | None:
-        self._latest = now
         if not self.width or oldest_age is None:
             return None
         scores = self._score_table()
@@ -134,28 +135,32 @@ class AgePolicy(EvictionPolicy):
 
     # -- the hazard ------------------------------------------------------------------------------
 
-    _latest = 0.0
-
     def _reused(self, age: float) -> None:
         if self.width:
             b = int(age / self.width)
             if b < self.bins:
                 self.events[b] += 1
-            self._end(age)
+                self._scores = None
 
-    def _end(self, age: float) -> None:
-        b = int(age / self.width)
-        self.ends[min(b, self.bins - 1)] += 1
+    def _sample(self, now: float) -> None:
+        fade, width, bins, period = self.fade, self.width, self.bins, self.period
+        self.events = [e * fade for e in self.events]
+        exposure = [e * fade for e in self.exposure]
+        for times in (self.leaf_times(), self.ghosts.values()):
+            for used in times:
+                b = int((now - used) / width)
+                if b < bins:
+                    exposure[b] += period
+        self.exposure = exposure
+        self._next_sample = now + period
         self._scores = None
 
     def _score_table(self) -> list[float]:
         """Per age bin: P(used again within the horizon | unused that long)."""
         if self._scores is None:
-            hazard, alive = [], sum(self.ends)
-            for b in range(self.bins):
-                exposure = (alive - self.ends[b] / 2) * self.width
-                hazard.append(self.events[b] / exposure if exposure > 0 else 0.0)
-                alive -= self.ends[b]
+            hazard = [
+                e / x if x > 0 else 0.0 for e, x in zip(self.events, self.exposure, strict=True)
+            ]
             span = max(1, int(self.horizon / self.width))
             self._scores = [
                 1 - math.exp(-sum(hazard[b : b + span]) * self.width) for b in range(self.bins)
@@ -167,11 +172,15 @@ class AgePolicy(EvictionPolicy):
         return scores[b] if b < self.bins else 0.0
 
 
-def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:
+def make_policy(
+    name: str, capacity_blocks: int, leaf_times: Callable[[], Iterable[float]] = tuple
+) -> EvictionPolicy:
+    """The policy `name` for a last level of `capacity_blocks` blocks; `leaf_times` gives the
+    last-use times of the cached leaf blocks (for `age`)."""
     if name == "lru":
         return EvictionPolicy()
     if name == "age":
-        return AgePolicy(capacity_blocks)
+        return AgePolicy(capacity_blocks, leaf_times)
     raise ConfigError(
         f"eviction_policy={name!r} is invalid: must be one of {list(EVICTION_POLICIES)}"
     )

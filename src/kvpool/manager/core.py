@@ -7,7 +7,7 @@ import copy
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +115,9 @@ class ManagerCore:
         self._tree = RadixTree(self.layout, spare_blocks=max(self._levels[0].slot_counts))
         self._storage.on_drop = self._tree.remove_pages
         self._clock = clock or time.monotonic
-        policy = make_policy(self._config.eviction_policy, max(self._levels[-1].slot_counts))
+        policy = make_policy(
+            self._config.eviction_policy, max(self._levels[-1].slot_counts), self._leaf_times
+        )
         self._policy: EvictionPolicy | None = None if policy.name == "lru" else policy
         self._remote: RemoteTier | None = None
         if self._config.remote_tier is not None:
@@ -185,6 +187,10 @@ class ManagerCore:
                     [(items[i][0], items[i][1].layer_group) for i in queued]
                 )
         return orphans
+
+    def _leaf_times(self) -> Iterator[float]:
+        """Last-use times of the tree's leaf blocks (the eviction policy's exposure samples)."""
+        return (block.used_at for block in self._tree.index.values() if block.kids is None)
 
     def _oldest_default_age(self, now: float) -> float | None:
         """Age of the oldest default-priority block at the last level (the next LRU victim;
