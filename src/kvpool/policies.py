@@ -3,7 +3,9 @@
 The mechanism is fixed: per (level, pool group) an eviction queue, lowest priority first, then
 least recently released (`eviction.py`); the engine's `priority_callback` sets a block's
 priority when it is committed. A policy (`KVCacheManagerConfig.eviction_policy`) decides on top
-of that, through these hooks, each O(1) or O(blocks touched) per call:
+of that, through these hooks (each O(1) or O(blocks touched) per call for `lru`; `age` adds a
+walk over the cached blocks and its ghosts every eighth of a capacity of inserted blocks, O(1)
+per inserted block amortized):
 
 - `used(blocks, now)`: a new request reused these blocks (a prefix match);
 - `inserted(blocks, now)`: a request committed these new blocks;
@@ -13,8 +15,8 @@ of that, through these hooks, each O(1) or O(blocks touched) per call:
   at the last level.
 
 `lru` is the queue alone. `age` learns, online, how likely a block is to be used again within a
-horizon given how long it has gone unused (a hazard per age bin, Kaplan-Meier style, from reuses
-of cached leaves and of recently dropped blocks remembered as ghosts) and queues a closing
+horizon given how long it has gone unused (a hazard per age bin: reuses of cached leaves and of
+recently dropped blocks remembered as ghosts, over the sampled time blocks spent at each age) and queues a closing
 request's pages as transient (evicted before the others) when a fresh block is less likely to be
 used soon than the oldest one, as on conversation traces where turns come back after a minute or
 two rather than at once: LRU, which keeps every block about capacity / inflow seconds, drops
