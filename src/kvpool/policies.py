@@ -16,9 +16,9 @@ per inserted block amortized):
 
 `lru` is the queue alone. `age` learns, online, how likely a block is to be used again within a
 horizon given how long it has gone unused (a hazard per age bin: reuses of cached leaves and of
-recently dropped blocks remembered as ghosts, over the sampled time blocks spent at each age) and queues a closing
-request's pages as transient (evicted before the others) when a fresh block is less likely to be
-used soon than the oldest one, as on conversation traces where turns come back after a minute or
+recently dropped blocks remembered as ghosts, over the sampled time blocks spent at each age)
+and queues a closing request's pages as transient (evicted before the others) when a fresh
+block is less likely to be used soon than the oldest one, as on conversation traces where turns come back after a minute or
 two rather than at once: LRU, which keeps every block about capacity / inflow seconds, drops
 most of them just before their next turn. See `benchmarks/eviction_study.py` and the README for
 what it reaches and where it still falls short.
