@@ -101,4 +101,3 @@ class RemoteLoading(Commits):
 
     def _forget_remote(self) -> None:
         self._remote = None
-        self._remote_tokens = 0

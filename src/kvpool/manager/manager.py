@@ -69,7 +69,6 @@ class KVCacheManager(Rebalancing):
             self._policy.used(match.blocks, self._clock())
         if prefix is not None:
             cache._remote = prefix
-            cache._remote_tokens = (prefix.end - prefix.start) * self.tokens_per_block
         if self._storage.events is not None:
             self._storage.events.append(("create", id, cache.num_committed_tokens))
         self._living[id] = cache

@@ -41,6 +41,7 @@ class RemotePrefix:
     keys: list[bytes]  # chained keys of blocks start .. end - 1
     datas: list[bytes]  # their encoded tokens
     tokens: list[Token]  # the prompt's first end x tokens-per-block tokens
+    num_tokens: int  # the tokens of blocks [start, end): what it adds to the local prefix
 
 
 class RemoteTier:
@@ -122,7 +123,9 @@ class RemoteTier:
             return None
         self._stats.found_blocks += end - start
         n = end - start
-        return RemotePrefix(start, end, parent_key, keys[:n], datas[:n], list(tokens[: end * tpb]))
+        return RemotePrefix(
+            start, end, parent_key, keys[:n], datas[:n], list(tokens[: end * tpb]), n * tpb
+        )
 
     def fetch(self, prefix: RemotePrefix) -> tuple[int, dict[Pair, memoryview]]:
         """Read the pages `prefix` needs; returns the end it can keep (shortened past a value
