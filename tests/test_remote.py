@@ -685,3 +685,33 @@ def test_a_password_from_the_url_or_the_environment(tmp_path, managers, monkeypa
             managers(server.url, password_env="TENANT_PASSWORD")
     finally:
         server.stop()
+
+
+def test_prometheus_shows_the_remote_tier_and_stats_outlive_shutdown(server, managers):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpool.metrics import PrometheusMetrics
+
+    a, engine_a = managers(server.url)
+    tokens = prompt_of(12, 3)
+    fill_remote(a, engine_a, [tokens])
+    b, engine_b = managers(server.url)
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(b, registry=registry)
+    assert compute(b, engine_b, tokens + [1]) == 3 * TPB
+    text = prometheus_client.generate_latest(registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    remote = b.remote_statistics()
+    assert samples[("kvpool:remote_fetched_blocks_total", ())] == remote.fetched_blocks == 3
+    assert samples[("kvpool:prefix_cache_hits_total", (("tier", "REMOTE"),))] == 3 * TPB
+    assert samples[("kvpool:prefix_cache_hits_total", (("tier", "GPU"),))] == 0
+    metrics.close()
+    b.shutdown()
+    after = b.stats()  # the counters stay readable after shutdown (a last scrape, a report)
+    assert after.remote_hit_tokens == 3 * TPB and after.pool_groups == []
+    assert after.requests == 1 and after.resumes == 1
