@@ -12,6 +12,8 @@ Policies:
 - `age-online`: the same with the hazard learned online, Kaplan-Meier style, over eviction
   candidates only (cached leaves and ghosts of evicted ones): reuse events / exposure per age
   bin, decayed.
+- `guarded`: `age-online` followed only while a shadow cache running it beats a shadow LRU
+  cache on recent requests (two shadows of the same size serve every request too).
 
 Why the age signal: on the conversation trace the gap between two uses of a block is rarely
 under 20 s and peaks at 60-120 s (the next turn), so LRU, which keeps every block about
@@ -45,22 +47,26 @@ def load(name: str) -> Trace:
 Chooser = Callable[[float, float, float], bool]  # (now, age of oldest, age of newest) -> newest?
 
 
-def simulate(
-    trace: Trace, capacity: int, chooser: Chooser | None = None, learn: Any = None
-) -> float:
-    """Hit rate of the measured half; `chooser` picks between the oldest and the newest leaf
-    (None: always the oldest, LRU); `learn` observes reuses, evictions and time."""
-    parent: dict[int, int | None] = {}
-    children: dict[int, int] = {}
-    last: dict[int, float] = {}  # last use: seconds
-    order: dict[int, int] = {}  # last use: request index (LRU order; timestamps tie)
-    version: dict[int, int] = {}
-    oldest: list[tuple[int, int, int]] = []
-    newest: list[tuple[int, int, int]] = []
-    size = measured = hits = 0
-    warmup = len(trace) // 2
+class PrefixCache:
+    """One simulated cache: `serve()` a request, get its hit tokens. `chooser` picks between
+    the oldest and the newest evictable leaf (None: always the oldest, LRU); `learn` observes
+    reuses, evictions and time."""
 
-    def top(heap: list[tuple[int, int, int]], path: set[int], aside: list[Any]) -> int | None:
+    def __init__(self, capacity: int, chooser: Chooser | None = None, learn: Any = None):
+        self.capacity, self.chooser, self.learn = capacity, chooser, learn
+        self.parent: dict[int, int | None] = {}
+        self.children: dict[int, int] = {}
+        self.last: dict[int, float] = {}  # last use: seconds
+        self.order: dict[int, int] = {}  # last use: request index (LRU order; timestamps tie)
+        self.version: dict[int, int] = {}
+        self.oldest: list[tuple[int, int, int]] = []
+        self.newest: list[tuple[int, int, int]] = []
+        self.size = 0
+
+    def _top(
+        self, heap: list[tuple[int, int, int]], path: set[int], aside: list[Any]
+    ) -> int | None:
+        parent, children, version = self.parent, self.children, self.version
         while heap:
             _, v, node = heap[0]
             if node in parent and version[node] == v and children[node] == 0:
@@ -71,7 +77,11 @@ def simulate(
             heapq.heappop(heap)
         return None
 
-    for index, (now, length, ids) in enumerate(trace):
+    def serve(self, index: int, now: float, length: int, ids: list[int]) -> int:
+        parent, children, last, order, version = (
+            self.parent, self.children, self.last, self.order, self.version
+        )  # fmt: skip
+        learn, chooser = self.learn, self.chooser
         if learn is not None:
             learn.tick(now, last, children)
         depth = 0
@@ -79,14 +89,12 @@ def simulate(
             if block not in parent:
                 break
             depth += 1
-        if index >= warmup:
-            measured += length
-            hits += min(length, depth * 512)
         path, aside, previous = set(ids), [], None
         for block in ids:
             if block not in parent:
-                while size >= capacity:
-                    old, new = top(oldest, path, aside), top(newest, path, aside)
+                while self.size >= self.capacity:
+                    old = self._top(self.oldest, path, aside)
+                    new = self._top(self.newest, path, aside)
                     victim = old if old is not None else new
                     if (
                         chooser is not None
@@ -102,15 +110,15 @@ def simulate(
                         learn.evicted(victim, last[victim])
                     del last[victim], order[victim]
                     version[victim] += 1
-                    size -= 1
+                    self.size -= 1
                     if up is not None:
                         children[up] -= 1
                         if children[up] == 0:
-                            heapq.heappush(oldest, (order[up], version[up], up))
-                            heapq.heappush(newest, (-order[up], version[up], up))
+                            heapq.heappush(self.oldest, (order[up], version[up], up))
+                            heapq.heappush(self.newest, (-order[up], version[up], up))
                 parent[block], children[block] = previous, 0
                 version.setdefault(block, 0)
-                size += 1
+                self.size += 1
                 if previous is not None:
                     children[previous] += 1
                 if learn is not None:
@@ -120,11 +128,50 @@ def simulate(
             last[block], order[block] = now, index
             version[block] += 1
             if children[block] == 0:
-                heapq.heappush(oldest, (index, version[block], block))
-                heapq.heappush(newest, (-index, version[block], block))
+                heapq.heappush(self.oldest, (index, version[block], block))
+                heapq.heappush(self.newest, (-index, version[block], block))
             previous = block
         for heap, item in aside:
             heapq.heappush(heap, item)
+        return min(length, depth * 512)
+
+
+def simulate(
+    trace: Trace, capacity: int, chooser: Chooser | None = None, learn: Any = None
+) -> float:
+    """Hit rate of the measured half (the first half warms up)."""
+    cache = PrefixCache(capacity, chooser, learn)
+    warmup, measured, hits = len(trace) // 2, 0, 0
+    for index, (now, length, ids) in enumerate(trace):
+        hit = cache.serve(index, now, length, ids)
+        if index >= warmup:
+            measured += length
+            hits += hit
+    return hits / measured
+
+
+def dueling(trace: Trace, capacity: int, horizon: float = 1.0, memory: float = 0.99) -> float:
+    """The age policy guarded by two shadows: an LRU cache and an age cache of the same size
+    serve every request too; the real cache makes the age policy's choices only while the age
+    shadow's recent hits (decayed by `memory` per request) beat the LRU shadow's."""
+    lru = PrefixCache(capacity)
+    age_learn = OnlineHazard(capacity, horizon)
+    age = PrefixCache(capacity, age_learn.choose, age_learn)
+    real_learn = OnlineHazard(capacity, horizon)
+    recent = {"lru": 0.0, "age": 0.0}
+
+    def choose(now: float, old: float, new: float) -> bool:
+        return recent["age"] > recent["lru"] and real_learn.choose(now, old, new)
+
+    real = PrefixCache(capacity, choose, real_learn)
+    warmup, measured, hits = len(trace) // 2, 0, 0
+    for index, (now, length, ids) in enumerate(trace):
+        for name, shadow in (("lru", lru), ("age", age)):
+            recent[name] = recent[name] * memory + shadow.serve(index, now, length, ids)
+        hit = real.serve(index, now, length, ids)
+        if index >= warmup:
+            measured += length
+            hits += hit
     return hits / measured
 
 
@@ -245,15 +292,16 @@ def main() -> None:
     for name in ("mooncake_conversation_trace.jsonl", "mooncake_synthetic_trace.jsonl"):
         trace = load(name)
         print(name)
-        print(f"{'blocks':>8} {'lru':>8} {'age-oracle':>12} {'age-online':>12}")
+        print(f"{'blocks':>8} {'lru':>8} {'age-oracle':>15} {'age-online':>15} {'guarded':>15}")
         for capacity in args.capacities:
             lru = simulate(trace, capacity)
             oracle = simulate(trace, capacity, oracle_chooser(trace, capacity, args.horizon))
             online = OnlineHazard(capacity, args.horizon)
             learned = simulate(trace, capacity, online.choose, online)
+            guarded = dueling(trace, capacity, args.horizon)
             print(
                 f"{capacity:>8} {lru:>8.4f} {oracle:>7.4f} ({oracle / lru:.2f}x)"
-                f" {learned:>7.4f} ({learned / lru:.2f}x)",
+                f" {learned:>7.4f} ({learned / lru:.2f}x) {guarded:>7.4f} ({guarded / lru:.2f}x)",
                 flush=True,
             )
 
