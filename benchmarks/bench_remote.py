@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_copy import timed  # noqa: E402
 from tests.valkey_servers import ValkeyServer  # noqa: E402
 
 from kvpool import (  # noqa: E402
@@ -38,15 +39,6 @@ from kvpool.tokens import root_key  # noqa: E402
 
 TPB = 16
 BATCH = 64  # values per pipeline, as the write-back thread sends them
-
-
-def timed(function, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def store_figures(url: str, page: int, blocks: int, repeats: int) -> dict[str, float]:

@@ -60,3 +60,14 @@ def close_open_caches(manager):
 def shutdown(manager):
     close_open_caches(manager)
     manager.shutdown()
+
+
+def prometheus_samples(text):
+    """A Prometheus exposition as {(sample name, sorted label pairs): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

@@ -21,7 +21,7 @@ from kvpool import (
 )
 from kvpool.stats import LATENCY_BOUNDS, LatencyHistogram
 from tests.engine_check import CheckingEngine
-from tests.helpers import MiB, make_config, record_layer, shutdown
+from tests.helpers import MiB, make_config, prometheus_samples, record_layer, shutdown
 
 TPB = 16
 LAYERS = [record_layer(i, TPB, repeats=64) for i in range(2)]  # 64 KiB pages: 32 per 2 MiB
@@ -117,8 +117,6 @@ def test_latency_histogram_buckets():
 
 def test_prometheus_exposition_shows_the_stats(manager):
     prometheus_client = pytest.importorskip("prometheus_client")
-    from prometheus_client.parser import text_string_to_metric_families
-
     from kvpool.metrics import PrometheusMetrics
 
     m, engine = manager
@@ -130,11 +128,7 @@ def test_prometheus_exposition_shows_the_stats(manager):
         assert c.resume() and engine.step(c, tokens, tokens[c.num_committed_tokens :])
         c.close()
     text = prometheus_client.generate_latest(registry).decode()
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    samples = prometheus_samples(text)
     stats = m.stats()
 
     def value(name, **labels):
@@ -162,8 +156,6 @@ def test_prometheus_exposition_shows_the_stats(manager):
 
 def test_kvpool_replay_serves_metrics_that_match_its_report(tmp_path):
     pytest.importorskip("prometheus_client")
-    from prometheus_client.parser import text_string_to_metric_families
-
     model = tmp_path / "config.json"
     model.write_text(
         json.dumps(
@@ -203,11 +195,7 @@ def test_kvpool_replay_serves_metrics_that_match_its_report(tmp_path):
     finally:
         process.terminate()
         process.wait(10)
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    samples = prometheus_samples(text)
     assert report["preemptions"] == 0 and report["requests"] == 40
     assert samples[("kvpool:requests_total", ())] == 40  # (every admission succeeded first time)
     assert samples[("kvpool:prefix_cache_queries_total", ())] == report["prompt_tokens"] - 40

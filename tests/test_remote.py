@@ -25,7 +25,14 @@ from kvpool import (
 from kvpool.remote.values import HEADER_BYTES, KEY_PREFIX
 from kvpool.tokens import root_key
 from tests.engine_check import CheckingEngine
-from tests.helpers import MiB, hybrid_layers, make_config, record_layer, shutdown
+from tests.helpers import (
+    MiB,
+    hybrid_layers,
+    make_config,
+    prometheus_samples,
+    record_layer,
+    shutdown,
+)
 from tests.valkey_servers import ValkeyServer, server_binary, start_cluster
 
 pytestmark = pytest.mark.skipif(server_binary() is None, reason="no valkey-server binary")
@@ -689,8 +696,6 @@ def test_a_password_from_the_url_or_the_environment(tmp_path, managers, monkeypa
 
 def test_prometheus_shows_the_remote_tier_and_stats_outlive_shutdown(server, managers):
     prometheus_client = pytest.importorskip("prometheus_client")
-    from prometheus_client.parser import text_string_to_metric_families
-
     from kvpool.metrics import PrometheusMetrics
 
     a, engine_a = managers(server.url)
@@ -701,11 +706,7 @@ def test_prometheus_shows_the_remote_tier_and_stats_outlive_shutdown(server, man
     metrics = PrometheusMetrics(b, registry=registry)
     assert compute(b, engine_b, tokens + [1]) == 3 * TPB
     text = prometheus_client.generate_latest(registry).decode()
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    samples = prometheus_samples(text)
     remote = b.remote_statistics()
     assert samples[("kvpool:remote_fetched_blocks_total", ())] == remote.fetched_blocks == 3
     assert samples[("kvpool:prefix_cache_hits_total", (("tier", "REMOTE"),))] == 3 * TPB
