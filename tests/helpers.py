@@ -71,3 +71,25 @@ def prometheus_samples(text):
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+TINY_HF_CONFIG = {  # a 2-layer llama with 4 KiB pages of 32 tokens: replays of it are quick
+    "model_type": "llama",
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "torch_dtype": "float16",
+    "max_position_embeddings": 8192,
+    "vocab_size": 1000,
+}
+
+
+def write_tiny_hf_config(directory):
+    """`TINY_HF_CONFIG` as a config.json in `directory`; returns its path."""
+    import json
+
+    path = directory / "config.json"
+    path.write_text(json.dumps(TINY_HF_CONFIG))
+    return path

@@ -21,7 +21,14 @@ from kvpool import (
 )
 from kvpool.stats import LATENCY_BOUNDS, LatencyHistogram
 from tests.engine_check import CheckingEngine
-from tests.helpers import MiB, make_config, prometheus_samples, record_layer, shutdown
+from tests.helpers import (
+    MiB,
+    make_config,
+    prometheus_samples,
+    record_layer,
+    shutdown,
+    write_tiny_hf_config,
+)
 
 TPB = 16
 LAYERS = [record_layer(i, TPB, repeats=64) for i in range(2)]  # 64 KiB pages: 32 per 2 MiB
@@ -156,21 +163,7 @@ def test_prometheus_exposition_shows_the_stats(manager):
 
 def test_kvpool_replay_serves_metrics_that_match_its_report(tmp_path):
     pytest.importorskip("prometheus_client")
-    model = tmp_path / "config.json"
-    model.write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "num_hidden_layers": 2,
-                "hidden_size": 64,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 1,
-                "head_dim": 16,
-                "torch_dtype": "float16",
-                "max_position_embeddings": 8192,
-            }
-        )
-    )
+    model = write_tiny_hf_config(tmp_path)
     report_file = tmp_path / "report.json"
     command = [
         *(sys.executable, "-m", "kvpool.cli", "replay", "--requests", "40"),

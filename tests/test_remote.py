@@ -32,6 +32,7 @@ from tests.helpers import (
     prometheus_samples,
     record_layer,
     shutdown,
+    write_tiny_hf_config,
 )
 from tests.valkey_servers import ValkeyServer, server_binary, start_cluster
 
@@ -487,18 +488,6 @@ def test_bad_remote_config_is_refused_by_field(fields, named):
 
 # -- kvpool replay --remote ----------------------------------------------------------------------
 
-TINY_MODEL = {
-    "model_type": "llama",
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "torch_dtype": "float16",
-    "max_position_embeddings": 8192,
-    "vocab_size": 1000,
-}
-
 
 def test_a_second_replay_reuses_what_the_first_left_in_the_server(
     server, tmp_path, capsys, monkeypatch
@@ -509,8 +498,7 @@ def test_a_second_replay_reuses_what_the_first_left_in_the_server(
     from kvpool.cli import main
 
     monkeypatch.setattr(_debug, "DEBUG", False)  # (--verify checks every KV record anyway)
-    model = tmp_path / "config.json"
-    model.write_text(json.dumps(TINY_MODEL))
+    model = write_tiny_hf_config(tmp_path)
     argv = ["replay", "--requests", "40", "--hf-config", str(model), "--gpu", "2MiB"]
     argv += ["--host", "0", "--verify", "--no-progress", "--remote", server.url]
     reports = []

@@ -261,7 +261,9 @@ def replay_command(args: argparse.Namespace) -> int:
                 options,
                 progress=lambda done, total: bar.update(task, completed=done),
                 should_stop=should_stop,
-                on_manager=lambda manager: metrics.append(serve_metrics(manager, args)),
+                on_manager=None
+                if args.metrics_port is None
+                else lambda manager: metrics.append(serve_metrics(manager, args.metrics_port)),
             )
             finish(args, report, setup, notes, title)
             if metrics and args.metrics_hold and not report.partial:
@@ -275,10 +277,8 @@ def replay_command(args: argparse.Namespace) -> int:
     return INTERRUPTED if report.partial else 0
 
 
-def serve_metrics(manager: Any, args: argparse.Namespace) -> Any:
-    """`--metrics-port`: the manager's Prometheus metrics over HTTP (None without the flag)."""
-    if args.metrics_port is None:
-        return _NoMetrics()
+def serve_metrics(manager: Any, port: int) -> Any:
+    """`--metrics-port`: the manager's Prometheus metrics over HTTP on `port`."""
     from kvpool.metrics import PrometheusMetrics
 
     try:
@@ -289,17 +289,12 @@ def serve_metrics(manager: Any, args: argparse.Namespace) -> Any:
         ) from None
     metrics = PrometheusMetrics(manager, registry=CollectorRegistry())
     try:
-        port = metrics.serve(args.metrics_port)
+        bound = metrics.serve(port)
     except OSError as error:
         metrics.close()
-        raise ArgumentError(f"--metrics-port {args.metrics_port}: {error.strerror}") from None
-    logger.warning("serving Prometheus metrics on http://0.0.0.0:%d/metrics", port)
+        raise ArgumentError(f"--metrics-port {port}: {error.strerror}") from None
+    logger.warning("serving Prometheus metrics on http://0.0.0.0:%d/metrics", bound)
     return metrics
-
-
-class _NoMetrics:
-    def close(self) -> None:
-        pass
 
 
 def finish(
