@@ -15,18 +15,18 @@ def pages_of(priority, count):
     return pages
 
 
-def test_order_is_priority_then_age_and_evict_first_jumps_its_priority():
+def test_order_is_priority_then_age():
     queue = EvictionQueue()
     high, low = pages_of(50, 3), pages_of(10, 2)
     queue.push_all(high)
     for page in low:
         queue.push(page)
-    urgent = pages_of(50, 1)[0]
-    queue.push(urgent, evict_first=True)
-    assert list(queue) == low + [urgent] + high
+    last = pages_of(50, 1)[0]
+    queue.push(last)
+    assert list(queue) == low + high + [last]
     assert len(queue) == 6 and all(page.queued for page in queue)
-    assert [queue.pop() for _ in range(6)] == low + [urgent] + high
-    assert len(queue) == 0 and not any(page.queued for page in low + high + [urgent])
+    assert [queue.pop() for _ in range(6)] == low + high + [last]
+    assert len(queue) == 0 and not any(page.queued for page in low + high + [last])
     with pytest.raises(OutOfPagesError, match="no evictable page"):
         queue.pop()
     queue.check_invariants()

@@ -105,7 +105,7 @@ class DiskCacheTierConfig:
 CacheTierConfig = GpuCacheTierConfig | HostCacheTierConfig | DiskCacheTierConfig
 
 REMOTE_SCHEMES = ("valkey", "valkeys", "redis", "rediss")
-EVICTION_POLICIES = ("lru", "age")  # (kvpool.policies)
+EVICTION_POLICIES = ("hazard", "lru", "lfu")  # (kvpool.policies; the first is the default)
 
 
 def _is_remote_url(url: object) -> bool:
@@ -261,7 +261,7 @@ class KVCacheManagerConfig:
     rebalance_moving_average_decay: float = 0.9999
     remote_tier: RemoteCacheTierConfig | None = None
     kv_events: KVEventsConfig | None = None
-    eviction_policy: str = "lru"
+    eviction_policy: str = EVICTION_POLICIES[0]
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first invalid field; return None when all is valid."""

@@ -2,17 +2,27 @@
 
 Lowest priority first, then least recently pushed. Push, remove and pop are O(1) (an ordered dict
 per priority, plus a sorted list of the priorities in use, at most 101).
+
+Under an eviction policy other than LRU (`kvpool.policies`) the last level's queues are
+`ClassedQueue`s: the default-priority pages the policy classes are ordered by their block's
+last use within each class, and the policy picks which class gives up its oldest leaf.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from kvpool.errors import CorruptedError, OutOfPagesError
-from kvpool.records import Page
+from kvpool.records import DEFAULT_PRIORITY, Page
+
+if TYPE_CHECKING:
+    from kvpool.policies import EvictionPolicy
 
 
 class EvictionQueue:
@@ -40,21 +50,14 @@ class EvictionQueue:
                 break
         return pages
 
-    def first_at(self, priority: int) -> Page | None:
-        """The page of `priority` evicted first among them (None if there is none)."""
-        pages = self._lists.get(priority)
-        return next(iter(pages)) if pages else None
-
-    def push(self, page: Page, evict_first: bool = False) -> None:
-        """Add `page` as the newest of its priority (or the oldest, with `evict_first`)."""
+    def push(self, page: Page) -> None:
+        """Add `page` as the newest of its priority."""
         assert not page.queued, page
         pages = self._lists.get(page.priority)
         if pages is None:
             pages = self._lists[page.priority] = OrderedDict()
             bisect.insort(self._priorities, page.priority)
         pages[page] = None
-        if evict_first:
-            pages.move_to_end(page, last=False)
         page.queued = True
         self._len += 1
 
@@ -116,7 +119,200 @@ class EvictionQueue:
             for page in pages:
                 if page.priority != priority or not page.queued:
                     problems.append(f"{page} (priority {page.priority}) is in list {priority}")
-        if sum(map(len, self._lists.values())) != self._len:
-            problems.append(f"length {self._len} != {sum(map(len, self._lists.values()))} pages")
+        listed = sum(map(len, self._lists.values())) + self._num_classed()
+        if listed != self._len:
+            problems.append(f"length {self._len} != {listed} pages")
+        problems += self._class_problems()
         if problems:
-            raise CorruptedError("EvictionQueue: " + "; ".join(problems[:10]))
+            raise CorruptedError(f"{type(self).__name__}: " + "; ".join(problems[:10]))
+
+    def _num_classed(self) -> int:
+        return 0
+
+    def _class_problems(self) -> list[str]:
+        return []
+
+
+def _is_leaf(page: Page, going: Set[Page]) -> bool:
+    """No child block holds a page of `page`'s layer group (other than pages in `going`):
+    dropping it drops nothing else."""
+    block = page.block
+    if block is None or block.kids is None:
+        return True
+    group = page.layer_group
+    kids = block.kids
+    if isinstance(kids, dict):
+        return all(kid[group] is None or kid[group] in going for kid in kids.values())
+    return kids[group] is None or kids[group] in going
+
+
+class ClassedQueue(EvictionQueue):
+    """The last level's queue under an eviction policy: the default-priority pages the policy
+    classes (`policy.classify(page)` > 0) sit in one heap per class ordered by their block's
+    last use; each eviction takes the oldest leaf of the class `policy.pick` chooses. Other
+    pages (engine priorities; pages queued before the policy classes anything) keep LRU order
+    around them.
+
+    Push is O(log n), remove O(1) (heap entries go stale and are skipped; the heaps are rebuilt
+    when most entries are stale), taking a page O(classes + log n). A page that is not a leaf
+    when it reaches the top of its heap waits aside until a child page of it leaves the queue
+    (or is picked to go, in the same batch: victims are picked as if taken one by one)."""
+
+    def __init__(self, policy: EvictionPolicy, classes: int) -> None:
+        super().__init__()
+        self.policy = policy
+        self._heaps: list[list[tuple[float, int, Page]]] = [[] for _ in range(classes + 1)]
+        self._interior: dict[Page, None] = {}
+        self._classed = 0  # queued classed pages (in a heap or interior)
+        self._entries = 0  # heap entries, stale ones included
+        self._stamps = itertools.count(1)
+
+    def push(self, page: Page) -> None:
+        klass = self.policy.classify(page) if page.priority == DEFAULT_PRIORITY else 0
+        if not klass:
+            page.klass = 0
+            super().push(page)
+            return
+        assert not page.queued, page
+        page.klass = klass
+        self._heap_push(page)
+        page.queued = True
+        self._classed += 1
+        self._len += 1
+
+    def push_all(self, pages: list[Page]) -> None:
+        for page in pages:
+            self.push(page)
+
+    def remove(self, page: Page) -> None:
+        """Take `page` out (dropped or locked); its parent's page may be a leaf now."""
+        if page.klass:
+            assert page.queued, page
+            page.queued = False  # (its heap entry is stale now)
+            self._interior.pop(page, None)
+            self._classed -= 1
+            self._len -= 1
+        else:
+            super().remove(page)
+        self._expose_parent(page)
+
+    def remove_all(self, pages: list[Page]) -> None:
+        for page in pages:
+            self.remove(page)
+
+    def pop(self) -> Page:
+        victims = self.oldest(1)
+        if not victims:
+            raise OutOfPagesError("no evictable page")
+        self.remove(victims[0])
+        return victims[0]
+
+    def __iter__(self) -> Iterator[Page]:
+        return iter(self.oldest(len(self)))
+
+    def oldest(self, count: int) -> list[Page]:
+        if not self._classed:
+            return super().oldest(count)
+        pages: list[Page] = []
+        band_done = False
+        for priority in self._priorities:
+            if priority > DEFAULT_PRIORITY and not band_done:
+                pages += self._take_classed(count - len(pages))
+                band_done = True
+            if len(pages) >= count:
+                return pages
+            pages += islice(self._lists[priority], count - len(pages))
+        if not band_done:
+            pages += self._take_classed(count - len(pages))
+        return pages
+
+    def _expose_parent(self, page: Page) -> None:
+        block = page.block
+        parent = block.parent if block is not None else None
+        if parent is not None:
+            above = parent[page.layer_group]
+            if above is not None and above.queued and above.klass:
+                self.expose(above)
+
+    def expose(self, page: Page) -> None:
+        """`page`'s block lost a child: if it was waiting aside, it may be a leaf now."""
+        if page in self._interior:
+            del self._interior[page]
+            self._heap_push(page)
+
+    def _heap_push(self, page: Page) -> None:
+        assert page.block is not None, page
+        stamp = page.stamp = next(self._stamps)
+        heapq.heappush(self._heaps[page.klass], (page.block.used_at, stamp, page))
+        self._entries += 1
+        if self._entries > 2 * self._classed + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale heap entries."""
+        for heap in self._heaps:
+            heap[:] = [entry for entry in heap if entry[2].queued and entry[2].stamp == entry[1]]
+            heapq.heapify(heap)
+        self._entries = sum(map(len, self._heaps))
+
+    def _top(self, klass: int, going: Set[Page]) -> Page | None:
+        """The oldest leaf of class `klass` once the pages `going` are gone (stale entries
+        dropped, non-leaves set aside)."""
+        heap = self._heaps[klass]
+        while heap:
+            _, stamp, page = heap[0]
+            if page.queued and page.stamp == stamp:
+                if _is_leaf(page, going):
+                    return page
+                page.stamp = 0
+                self._interior[page] = None
+            heapq.heappop(heap)
+            self._entries -= 1
+        return None
+
+    def _take_classed(self, count: int) -> list[Page]:
+        """The next `count` classed pages to evict, as the policy picks them (left queued)."""
+        pages: list[Page] = []
+        going: set[Page] = set()
+        taken: list[tuple[int, tuple[float, int, Page]]] = []
+        classes = range(1, len(self._heaps))
+        while len(pages) < count:
+            heads, their_classes = [], []
+            for klass in classes:
+                page = self._top(klass, going)
+                if page is not None:
+                    heads.append(page)
+                    their_classes.append(klass)
+            if not heads:
+                break
+            chosen = self.policy.pick(heads)
+            klass, page = their_classes[chosen], heads[chosen]
+            taken.append((klass, heapq.heappop(self._heaps[klass])))
+            pages.append(page)
+            going.add(page)
+            self._expose_parent(page)  # (a leaf once this one goes, as evictions go one by one)
+        for klass, entry in taken:  # (still queued: back in place)
+            heapq.heappush(self._heaps[klass], entry)
+        if len(pages) < count:  # pages whose children are evictable only after them
+            pages += islice(self._interior, count - len(pages))
+        return pages
+
+    def _num_classed(self) -> int:
+        return self._classed
+
+    def _class_problems(self) -> list[str]:
+        live = [
+            entry[2]
+            for heap in self._heaps
+            for entry in heap
+            if entry[2].queued and entry[2].stamp == entry[1]
+        ]
+        problems = []
+        if len(live) + len(self._interior) != self._classed:
+            problems.append(
+                f"{len(live)} pages in heaps + {len(self._interior)} aside != {self._classed}"
+            )
+        for page in [*live, *self._interior]:
+            if not page.klass or page.priority != DEFAULT_PRIORITY or not page.queued:
+                problems.append(f"{page} (class {page.klass}) is classed")
+        return problems

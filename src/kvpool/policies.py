@@ -1,39 +1,57 @@
-"""Eviction policies: which cached blocks the manager lets go first.
+"""Eviction policies: which cached blocks the manager drops first.
 
-The mechanism is fixed: per (level, pool group) an eviction queue, lowest priority first, then
-least recently released (`eviction.py`); the engine's `priority_callback` sets a block's
-priority when it is committed. A policy (`KVCacheManagerConfig.eviction_policy`) decides on top
-of that, through these hooks (each O(1) or O(blocks touched) per call for `lru`; `age` adds a
-walk over the cached blocks and its ghosts every eighth of a capacity of inserted blocks, O(1)
-per inserted block amortized):
+The mechanism is fixed (`eviction.py`): per (level, pool group) an eviction queue, lowest
+priority first, then least recently released; the engine's `priority_callback` sets a block's
+priority when it is committed. At the last level, where eviction loses KV for good, a policy
+(`KVCacheManagerConfig.eviction_policy`) may sort the default-priority pages into classes (one
+list per class, each in release order) and choose, at each eviction, which list's oldest page
+goes. Engine priorities still come first: only default-priority pages are classed.
 
-- `used(blocks, now)`: a new request reused these blocks (a prefix match);
-- `inserted(blocks, now)`: a request committed these new blocks;
-- `dropped(blocks)`: these blocks' pages left the last level (their KV is gone);
-- `release_priority(now, oldest_age)`: when a request closes, the priority its default-priority
-  pages are queued with (None: leave them), given the age of the oldest default-priority block
-  at the last level.
+What a policy sees (each hook O(1) per block it is given):
+- `used(blocks, now)`: a new request matched these cached blocks;
+- `inserted(blocks, now)`: a request committed these blocks (new, or already in the tree);
+- `released(block, now)`: a request closed; `block` is the deepest block it committed or used;
+- `dropped(blocks, parents, now)`: these blocks' last-level pages were dropped (`parents`: their
+  parents before that, which may have become leaves).
+What it decides:
+- `classify(page)`: the class of a page queued at the last level (0: the one LRU list);
+- `pick(heads)`: which of the class lists' oldest pages (`heads`, one per list) goes next.
 
-`lru` is the queue alone. `age` learns, online, how likely a block is to be used again within a
-horizon given how long it has gone unused (a hazard per age bin: reuses of cached leaves and of
-recently dropped blocks remembered as ghosts, over the sampled time blocks spent at each age)
-and queues a closing request's pages as transient (evicted before the others) when a fresh
-block is less likely to be used soon than the oldest one, as on conversation traces where turns come back after a minute or
-two rather than at once: LRU, which keeps every block about capacity / inflow seconds, drops
-most of them just before their next turn. See `benchmarks/eviction_study.py` and the README for
-what it reaches and where it still falls short.
+Policies:
+- `lru`: no classes; the queue's own order.
+- `hazard` (the default): learns online, per use-count class (used once, twice, three times or
+  more), the probability that a block unused for a given time is used again within a horizon
+  (capacity / inflow seconds), and evicts, of the class lists' oldest leaves, the one least
+  likely to be. Both signals matter on real traces: a block used twice is about twice as likely
+  to come back as a block used once, and on conversations the next turn comes a minute or two
+  later, when LRU has just dropped it. The estimate is a discrete hazard over eviction
+  candidates (cached leaves, and dropped ones remembered as ghosts: 4 per block of capacity):
+  at each candidate's end (reused, or censored: extended, or forgotten as a ghost) one count
+  in its age bin; fading every eighth of a capacity of inserted blocks. Until it has seen a
+  capacity of inserted blocks it classes nothing (LRU). Cost: one ghost-table lookup per new
+  block, a few integer updates per block used, O(classes) per eviction, and a score table of
+  4 x 48 entries per class rebuilt every eighth of a capacity of insertions.
+- `lfu`: the same classes, strictly: the lowest use count first, LRU within a class (the
+  runner-up: ahead at small caches, far behind at large ones).
+
+See `benchmarks/eviction_study.py` and the README for what they reach on the Mooncake traces.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from kvpool.config import EVICTION_POLICIES
 from kvpool.errors import ConfigError
-from kvpool.records import DEFAULT_PRIORITY, Block
+from kvpool.records import Block, Page
 
-TRANSIENT_PRIORITY = DEFAULT_PRIORITY - 1
+CLASSES = 3  # use counts 1, 2 and 3 or more
+
+
+def use_class(block: Block) -> int:
+    """A block's class: how many requests used it while it was remembered, 1 to CLASSES."""
+    return min(max(block.uses, 1), CLASSES)
 
 
 class EvictionPolicy:
@@ -47,145 +65,232 @@ class EvictionPolicy:
     def inserted(self, blocks: Sequence[Block], now: float) -> None:
         pass
 
-    def dropped(self, blocks: Sequence[Block]) -> None:
+    def released(self, block: Block, now: float) -> None:
         pass
 
-    def release_priority(self, now: float, oldest_age: float | None) -> int | None:
-        return None
+    def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None], now: float) -> None:
+        pass
+
+    def classify(self, page: Page) -> int:
+        return 0
+
+    def pick(self, heads: Sequence[Page]) -> int:
+        return 0
 
 
-class AgePolicy(EvictionPolicy):
-    """Transient admission by a learned reuse hazard over block ages (module docstring).
+class LfuPolicy(EvictionPolicy):
+    """Use-count classes, strictly: the least used first, LRU among equals."""
 
-    The hazard per age bin is reuses seen at that age over the time blocks spent at that age
-    (exposure), counting eviction candidates only: cached leaves and the ghosts of dropped
-    blocks. Exposure is sampled: every eighth of a capacity's worth of inserted blocks, each
-    leaf's and ghost's age adds a sample period to its bin (an O(capacity) walk every
-    capacity / 8 insertions: O(1) per inserted block, amortized)."""
+    name = "lfu"
 
-    name = "age"
+    def used(self, blocks: Sequence[Block], now: float) -> None:
+        for block in blocks:
+            block.uses += 1
+            block.used_at = now
+
+    def inserted(self, blocks: Sequence[Block], now: float) -> None:
+        self.used(blocks, now)
+
+    def classify(self, page: Page) -> int:
+        return use_class(page.block) if page.block is not None else 0
+
+    def pick(self, heads: Sequence[Page]) -> int:
+        return 0  # (the lowest class first)
+
+
+class HazardPolicy(EvictionPolicy):
+    """Reuse hazard by use count and age (module docstring)."""
+
+    name = "hazard"
 
     def __init__(
         self,
         capacity_blocks: int,
-        leaf_times: Callable[[], Iterable[float]] = tuple,
+        clock: Callable[[], float],
         horizon_factor: float = 1.0,
         bins: int = 48,
-        ghosts_per_block: int = 4,
+        ghosts_per_block: int = 8,
         fade: float = 0.7,
     ) -> None:
         self.capacity = capacity_blocks
-        self.leaf_times = leaf_times  # last-use times of the cached leaf blocks
+        self.clock = clock
         self.horizon_factor = horizon_factor
         self.bins = bins
         self.ghost_limit = ghosts_per_block * capacity_blocks
-        self.fade = fade ** (1 / 8)  # per sample: `fade` per capacity's worth of inserted blocks
-        self.ghosts: dict[bytes, float] = {}  # dropped block key -> its last use
-        self.events = [0.0] * bins  # reuses per age bin
-        self.exposure = [0.0] * bins  # seconds spent in each age bin
-        self.start: float | None = None
+        self.fade = fade ** (1 / 8)  # per step: `fade` per capacity's worth of inserted blocks
+        self.step_blocks = max(1, capacity_blocks // 8)
+        # Per class (index 0 unused) and age bin: candidates that started, ended, were reused.
+        self.started = [[0.0] * bins for _ in range(CLASSES + 1)]
+        self.ended = [[0.0] * bins for _ in range(CLASSES + 1)]
+        self.reuses = [[0.0] * bins for _ in range(CLASSES + 1)]
+        self.ghosts: dict[int, tuple[float, int]] = {}  # hash(key) -> (last use, uses)
+        self.first_insert: float | None = None
         self.inserts = 0
-        self.width = 0.0  # seconds per bin, once the inflow rate is known
+        self.width = 0.0  # seconds per age bin, once the inflow rate is known
         self.horizon = 0.0
-        self.period = 0.0  # seconds between exposure samples
-        self._next_sample = math.inf
-        self._scores: list[float] | None = None
+        self._until_step = self.step_blocks
+        self._scores: list[list[float]] | None = None
 
     # -- hooks -----------------------------------------------------------------------------------
 
     def used(self, blocks: Sequence[Block], now: float) -> None:
-        if blocks:
-            deepest = blocks[-1]
-            if deepest.kids is None and deepest.used_at:  # a cached leaf reused
-                self._reused(now - deepest.used_at)
-            for block in blocks:
-                block.used_at = now
+        for block in blocks:
+            if block.candidate:
+                self._end(block, now, reused=True)
+            block.uses += 1
+            block.used_at = now
 
     def inserted(self, blocks: Sequence[Block], now: float) -> None:
-        if self.start is None:
-            self.start = now
-        ghosts = self.ghosts
+        if not blocks:
+            return
+        if self.first_insert is None:
+            self.first_insert = now
+        parent = blocks[0].parent
+        if parent is not None and parent.candidate:  # a leaf no more
+            self._end(parent, now, reused=False)
+        ghosts, new = self.ghosts, 0
         for block in blocks:
-            used = ghosts.pop(block.key, None)
-            if used is not None:
-                self._reused(now - used)
+            if block.candidate:
+                self._end(block, now, reused=True)
+            elif not block.uses:  # new in the tree
+                new += 1
+                ghost = ghosts.pop(hash(block.key), None)
+                if ghost is not None:  # back after it was dropped
+                    used_at, uses = ghost
+                    self._count(min(uses, CLASSES), now - used_at, reused=True)
+                    block.uses = uses
+            block.uses += 1
             block.used_at = now
-        self.inserts += len(blocks)
-        if not self.width and self.inserts >= self.capacity and now > self.start:
-            rate = self.inserts / (now - self.start)  # blocks per second
-            self.width = self.ghost_limit / rate / self.bins
-            self.horizon = self.horizon_factor * self.capacity / rate
-            self.period = self.capacity / rate / 8
-            self._next_sample = now
-        if now >= self._next_sample:
-            self._sample(now)
+        self.inserts += new
+        self._until_step -= new
+        if self._until_step <= 0:
+            self._step(now)
 
-    def dropped(self, blocks: Sequence[Block]) -> None:
-        ghosts = self.ghosts
+    def released(self, block: Block, now: float) -> None:
+        if self.width and block.in_tree and block.kids is None and not block.candidate:
+            self._start(block, now)
+
+    def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None], now: float) -> None:
+        ghosts, learning = self.ghosts, bool(self.width)
         for block in blocks:
-            if block.used_at:
-                ghosts[block.key] = block.used_at
-        while len(ghosts) > self.ghost_limit:  # forget the oldest
-            del ghosts[next(iter(ghosts))]
+            if not block.in_tree and learning:  # a candidate from now on, as a ghost
+                if not block.candidate:  # (a leaf only since its children went with it)
+                    self._start(block, now)
+                ghosts[hash(block.key)] = (block.used_at, block.uses)
+                block.candidate = False
+        while len(ghosts) > self.ghost_limit:  # forget the oldest: censored
+            used_at, uses = ghosts.pop(next(iter(ghosts)))
+            self._count(min(uses, CLASSES), now - used_at, reused=False)
+        if learning:
+            for parent in parents:
+                if (
+                    parent is not None
+                    and parent.parent is not None  # (not a scope's root)
+                    and parent.in_tree
+                    and parent.kids is None
+                    and not parent.candidate
+                ):
+                    self._start(parent, now)
 
-    def release_priority(self, now: float, oldest_age: float | None) -> int | None:
-        if not self.width or oldest_age is None:
-            return None
-        scores = self._score_table()
-        fresh, oldest = scores[0], self._score(scores, oldest_age)
-        return TRANSIENT_PRIORITY if fresh < oldest else DEFAULT_PRIORITY
+    def classify(self, page: Page) -> int:
+        block = page.block
+        return use_class(block) if self.width and block is not None else 0
+
+    def pick(self, heads: Sequence[Page]) -> int:
+        if not self.width:  # (nothing was classed)
+            return 0
+        scores, now, per_bin = self._score_table(), self.clock(), 4 / self.width
+        chosen, best = 0, (math.inf, math.inf)
+        for index, head in enumerate(heads):
+            block = head.block
+            assert block is not None
+            table = scores[head.klass]
+            position = int((now - block.used_at) * per_bin)
+            score = table[position] if position < len(table) else 0.0
+            if (score, block.used_at) < best:
+                chosen, best = index, (score, block.used_at)
+        return chosen
 
     # -- the hazard ------------------------------------------------------------------------------
 
-    def _reused(self, age: float) -> None:
+    def _bin(self, age: float) -> int:
+        return min(int(age / self.width), self.bins - 1)
+
+    def _start(self, block: Block, now: float) -> None:
+        self.started[use_class(block)][self._bin(now - block.used_at)] += 1
+        block.candidate = True
+
+    def _end(self, block: Block, now: float, reused: bool) -> None:
+        self._count(use_class(block), now - block.used_at, reused)
+        block.candidate = False
+
+    def _count(self, klass: int, age: float, reused: bool) -> None:
         if self.width:
-            b = int(age / self.width)
-            if b < self.bins:
-                self.events[b] += 1
-                self._scores = None
+            b = self._bin(age)
+            self.ended[klass][b] += 1
+            if reused:
+                self.reuses[klass][b] += 1
 
-    def _sample(self, now: float) -> None:
-        fade, width, bins, period = self.fade, self.width, self.bins, self.period
-        self.events = [e * fade for e in self.events]
-        exposure = [e * fade for e in self.exposure]
-        for times in (self.leaf_times(), self.ghosts.values()):
-            for used in times:
-                b = int((now - used) / width)
-                if b < bins:
-                    exposure[b] += period
-        self.exposure = exposure
-        self._next_sample = now + period
+    def _step(self, now: float) -> None:
+        """Every eighth of a capacity of inserted blocks: fade the counts (and learn the bin
+        width from the inflow rate once a capacity has come in)."""
+        self._until_step = self.step_blocks
         self._scores = None
+        if not self.width:
+            assert self.first_insert is not None
+            if self.inserts >= self.capacity and now > self.first_insert:
+                rate = self.inserts / (now - self.first_insert)  # blocks per second
+                self.width = self.ghost_limit / rate / self.bins
+                self.horizon = self.horizon_factor * self.capacity / rate
+            return
+        fade = self.fade
+        for table in (self.started, self.ended, self.reuses):
+            for row in table:
+                row[:] = [count * fade for count in row]
 
-    def _score_table(self) -> list[float]:
-        """Per age bin: P(used again within the horizon | unused that long)."""
+    def _score_table(self) -> list[list[float]]:
+        """Per class, per quarter of an age bin: P(used again within the horizon | unused
+        that long), from the discrete hazard per bin (reuses / candidates at risk)."""
         if self._scores is None:
-            hazard = [
-                e / x if x > 0 else 0.0 for e, x in zip(self.events, self.exposure, strict=True)
-            ]
-            span = max(1, int(self.horizon / self.width))
-            self._scores = [
-                1 - math.exp(-sum(hazard[b : b + span]) * self.width) for b in range(self.bins)
-            ]
+            span = self.horizon / self.width  # in bins
+            self._scores = [[]]
+            for klass in range(1, CLASSES + 1):
+                at_risk, log_survival = 0.0, [0.0]
+                for started, ended, reuses in zip(
+                    self.started[klass], self.ended[klass], self.reuses[klass], strict=True
+                ):
+                    at_risk += started
+                    hazard = min(reuses / at_risk, 1 - 1e-9) if at_risk > 0 else 0.0
+                    log_survival.append(log_survival[-1] + math.log1p(-hazard))
+                    at_risk -= ended
+                table = []
+                for quarter in range(4 * self.bins):
+                    first = quarter // 4
+                    last = min(int(quarter / 4 + span), self.bins - 1)
+                    table.append(1 - math.exp(log_survival[last + 1] - log_survival[first]))
+                self._scores.append(table)
         return self._scores
 
-    def _score(self, scores: list[float], age: float) -> float:
-        b = int(age / self.width)
-        return scores[b] if b < self.bins else 0.0
 
-
-def make_policy(
-    name: str, capacity_blocks: int, leaf_times: Callable[[], Iterable[float]] = tuple
-) -> EvictionPolicy:
-    """The policy `name` for a last level of `capacity_blocks` blocks; `leaf_times` gives the
-    last-use times of the cached leaf blocks (for `age`)."""
+def make_policy(name: str, capacity_blocks: int, clock: Callable[[], float]) -> EvictionPolicy:
+    """The policy `name` for a last level of `capacity_blocks` blocks."""
     if name == "lru":
         return EvictionPolicy()
-    if name == "age":
-        return AgePolicy(capacity_blocks, leaf_times)
+    if name == "hazard":
+        return HazardPolicy(capacity_blocks, clock)
+    if name == "lfu":
+        return LfuPolicy()
     raise ConfigError(
         f"eviction_policy={name!r} is invalid: must be one of {list(EVICTION_POLICIES)}"
     )
 
 
-__all__ = ["EVICTION_POLICIES", "TRANSIENT_PRIORITY", "AgePolicy", "EvictionPolicy", "make_policy"]
+__all__ = [
+    "CLASSES",
+    "EVICTION_POLICIES",
+    "EvictionPolicy",
+    "HazardPolicy",
+    "LfuPolicy",
+    "make_policy",
+    "use_class",
+]

@@ -40,6 +40,7 @@ class Page:
     __slots__ = (
         "block",
         "holds",
+        "klass",
         "layer_group",
         "level",
         "locks",
@@ -47,6 +48,7 @@ class Page:
         "priority",
         "queued",
         "slot",
+        "stamp",
     )
 
     def __init__(
@@ -67,6 +69,8 @@ class Page:
         self.holds = 0
         self.priority = DEFAULT_PRIORITY
         self.queued = False  # in its (level, pool group) eviction queue
+        self.klass = 0  # its eviction policy class there (`kvpool.policies`; 0: none)
+        self.stamp = 0  # which entry of its class heap is current (`ClassedQueue`)
 
     @property
     def slot_id(self) -> int:
@@ -100,6 +104,7 @@ class Block(list["Page | None"]):
     """
 
     __slots__ = (
+        "candidate",
         "data",
         "in_tree",
         "key",
@@ -110,6 +115,7 @@ class Block(list["Page | None"]):
         "parent",
         "scope",
         "used_at",
+        "uses",
     )
     __hash__ = object.__hash__  # type: ignore[assignment]
 
@@ -128,8 +134,10 @@ class Block(list["Page | None"]):
         self.num_tokens = num_tokens
         self.ordinal: int = -1 if parent is None else parent.ordinal + 1
         self.scope: bytes = key if parent is None else parent.scope  # the root's key
-        self.used_at = 0.0  # when a request last used it (kept, and reset on insertion, only by
-        # an eviction policy that needs it)
+        # Kept only by an eviction policy that needs them (`kvpool.policies`):
+        self.used_at = 0.0  # when a request last used it
+        self.uses = 0  # how many requests used it
+        self.candidate = False  # counted as an eviction candidate (a leaf, since `used_at`)
         self.kids: Block | dict[bytes, Block] | None = None
         self.num_partial_children = 0  # children with fewer tokens than a block
         self.in_tree = True

@@ -257,6 +257,8 @@ class Commits(RequestState):
             for orphan in orphans:
                 self._ctx.storage.settle(orphan)
         if block is not None:
+            if self._ctx.policy is not None:
+                self._ctx.policy.inserted([block], self._ctx.clock())
             self._attach_pages(index, [block], priorities)
         self._snapshot_ssm(block, priorities, snapshots)
 

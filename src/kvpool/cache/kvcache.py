@@ -9,8 +9,7 @@ from kvpool.cache.growth import Growth
 from kvpool.cache.remote_loading import RemoteLoading
 from kvpool.cache.state import GPU_LEVEL, KVCacheStatus
 from kvpool.errors import LogicError
-from kvpool.policies import TRANSIENT_PRIORITY
-from kvpool.records import DEFAULT_PRIORITY, Page
+from kvpool.records import Block, Page
 from kvpool.validation import check_index
 
 if TYPE_CHECKING:
@@ -138,6 +137,14 @@ class KVCache(Growth, RemoteLoading):
                 storage.unlock(shared)  # the partial block: locked with our other pages
         self._deferred = []
 
+    def _deepest_block(self) -> Block | None:
+        """The last tree block among the request's pages (for the eviction policy)."""
+        for pages in self._pages:
+            for page in reversed(pages):
+                if page is not None and page.block is not None:
+                    return page.block
+        return None
+
     def suspend(self) -> None:
         """Turn the request's locks into holds: its pages may then move to colder levels (never
         dropped) while others run."""
@@ -169,17 +176,9 @@ class KVCache(Growth, RemoteLoading):
         self._deferred = []
         policy = self._ctx.policy
         if policy is not None:
-            now = self._ctx.clock()
-            priority = policy.release_priority(now, self._ctx.oldest_age(now))
-            if priority is not None:
-                for pages in self._pages:
-                    for page in pages:
-                        if (
-                            page is not None
-                            and page.block is not None
-                            and (page.priority in (DEFAULT_PRIORITY, TRANSIENT_PRIORITY))
-                        ):
-                            storage.set_priority(page, priority)
+            deepest = self._deepest_block()
+            if deepest is not None:
+                policy.released(deepest, self._ctx.clock())
         # Last block first: parents become evictable after their children, so eviction trims
         # a cached chain from its end and shorter prefixes stay reusable.
         release = storage.unlock_all if self._status is KVCacheStatus.ACTIVE else storage.unhold_all

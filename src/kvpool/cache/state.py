@@ -70,7 +70,6 @@ class CacheContext:
     counters: Counters = field(default_factory=Counters)
     policy: EvictionPolicy | None = None  # (None: LRU, the queue's own order)
     clock: Callable[[], float] = time.monotonic
-    oldest_age: Callable[[float], float | None] = lambda now: None
 
 
 class RequestState:

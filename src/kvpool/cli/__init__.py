@@ -168,10 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_argument("--asap", action="store_true", help="ignore arrival times")
     scheduler.add_argument(
         "--policy",
-        choices=[*sorted(POLICIES), OFFLINE_OPTIMUM],
+        choices=[*POLICIES, OFFLINE_OPTIMUM],
         nargs="+",
-        default="lru",
-        help=f"eviction policy ({OFFLINE_OPTIMUM}: the offline optimum; with --capacity-blocks, "
+        default=next(iter(POLICIES)),
+        help=f"eviction policy (default: %(default)s; {OFFLINE_OPTIMUM}: the offline optimum; with --capacity-blocks, "
         "several policies side by side)",
     )
     scheduler.add_argument(

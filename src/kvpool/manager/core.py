@@ -7,7 +7,7 @@ import copy
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,12 +23,13 @@ from kvpool.config import (
 )
 from kvpool.errors import LogicError
 from kvpool.events.log import MEDIA, KVEventLog
+from kvpool.eviction import ClassedQueue
 from kvpool.layout import KVLayout
 from kvpool.manager.invariants import check_invariants
-from kvpool.policies import EvictionPolicy, make_policy
+from kvpool.policies import CLASSES, EvictionPolicy, make_policy
 from kvpool.radix import RadixTree, lost_block
 from kvpool.rebalance import DemandEstimator
-from kvpool.records import DEFAULT_PRIORITY, LostBlock, Page
+from kvpool.records import LostBlock, Page
 from kvpool.remote import RemoteStatistics, RemoteTier
 from kvpool.stats import Counters, LatencyHistogram, ManagerStats, PoolGroupUsage
 from kvpool.storage.pools import LevelStorage
@@ -116,9 +117,12 @@ class ManagerCore:
         self._storage.on_drop = self._tree.remove_pages
         self._clock = clock or time.monotonic
         policy = make_policy(
-            self._config.eviction_policy, max(self._levels[-1].slot_counts), self._leaf_times
+            self._config.eviction_policy, max(self._levels[-1].slot_counts), self._clock
         )
         self._policy: EvictionPolicy | None = None if policy.name == "lru" else policy
+        if self._policy is not None:  # (no page is queued yet)
+            queues = self._storage.queues[self._storage.last_level]
+            queues[:] = [ClassedQueue(self._policy, CLASSES) for _ in queues]
         self._remote: RemoteTier | None = None
         if self._config.remote_tier is not None:
             try:
@@ -151,7 +155,6 @@ class ManagerCore:
             counters=self._counters,
             policy=self._policy,
             clock=self._clock,
-            oldest_age=self._oldest_default_age,
         )
 
     def _drop(self, pages: Sequence[Page]) -> Sequence[Page]:
@@ -159,8 +162,17 @@ class ManagerCore:
         tier: the committed full blocks' pages the local levels drop (from the last level, or
         any level a shrink drops them from), and the pages of the blocks that lose their reuse
         with them, are written to the remote tier before their slots are freed."""
-        if self._policy is not None and pages and pages[0].level == self._storage.last_level:
-            self._policy.dropped([page.block for page in pages if page.block is not None])
+        policy, last = self._policy, self._storage.last_level
+        if policy is None or not pages or pages[0].level != last:
+            return self._remove_pages(pages)
+        blocks = [page.block for page in pages if page.block is not None]
+        parents = [block.parent for block in blocks]
+        orphans = self._remove_pages(pages)
+        policy.dropped(blocks, parents, self._clock())
+        return orphans
+
+    def _remove_pages(self, pages: Sequence[Page]) -> Sequence[Page]:
+        """`RadixTree.remove_pages`, writing what is lost to the remote tier if there is one."""
         if self._remote is None:
             return self._tree.remove_pages(pages)
         tpb, storage = self.tokens_per_block, self._storage
@@ -187,22 +199,6 @@ class ManagerCore:
                     [(items[i][0], items[i][1].layer_group) for i in queued]
                 )
         return orphans
-
-    def _leaf_times(self) -> Iterator[float]:
-        """Last-use times of the tree's leaf blocks (the eviction policy's exposure samples)."""
-        return (block.used_at for block in self._tree.index.values() if block.kids is None)
-
-    def _oldest_default_age(self, now: float) -> float | None:
-        """Age of the oldest default-priority block at the last level (the next LRU victim;
-        None when there is none), for the eviction policy."""
-        level = self._storage.last_level
-        oldest = None
-        for queue in self._storage.queues[level]:
-            page = queue.first_at(DEFAULT_PRIORITY)
-            if page is not None and page.block is not None and page.block.used_at:
-                age = now - page.block.used_at
-                oldest = age if oldest is None else max(oldest, age)
-        return oldest
 
     def _start_kv_events(self, config: KVEventsConfig) -> None:
         from kvpool.events.publisher import KVEventPublisher

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.cache import KVCache
-from kvpool.config import KVCacheManagerConfig
+from kvpool.config import EVICTION_POLICIES, KVCacheManagerConfig
 from kvpool.errors import ArgumentError, KVPoolError, OutOfPagesError
 from kvpool.manager import KVCacheManager
 from kvpool.replay.policy import policy_for
@@ -47,7 +47,7 @@ class ReplayOptions:
     prefill_chunk: int = 2048  # prompt tokens computed per engine step (chunked prefill)
     step_seconds: float = 0.02  # simulated time of one engine step
     as_fast_as_possible: bool = False  # ignore arrival times
-    policy: str = "lru"
+    policy: str = EVICTION_POLICIES[0]
     verify: bool = False
     rebalance: bool = True
     sample_every: int = 10  # steps between occupancy samples (for the plot)

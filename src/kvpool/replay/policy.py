@@ -1,14 +1,14 @@
 """Eviction policies for replays, expressed through the manager's public priority hooks.
 
-`lru` is the manager's own order: lowest priority first, then least recently released (every
-block gets the default priority). More policies come with the eviction-policy work; a name is
-offered only when it changes behaviour."""
+Every block gets the default priority; the name picks the manager's eviction policy
+(`kvpool.policies`: `hazard`, the default, `lru`, `lfu`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvpool.cache import KVCache
+from kvpool.config import EVICTION_POLICIES
 from kvpool.errors import ArgumentError
 from kvpool.manager import KVCacheManager
 from kvpool.records import DEFAULT_PRIORITY
@@ -19,7 +19,7 @@ class EvictionPolicy:
     """How replayed requests prioritize their blocks for eviction."""
 
     name: str
-    manager_policy: str = "lru"  # the manager's eviction policy (KVCacheManagerConfig)
+    manager_policy: str  # the manager's eviction policy (KVCacheManagerConfig)
 
     def priority(self, ordinal: int, layer_group: int) -> int:
         return DEFAULT_PRIORITY
@@ -28,7 +28,7 @@ class EvictionPolicy:
         """Called when a request was created with a reused prefix."""
 
 
-POLICIES = {"lru": EvictionPolicy("lru"), "age": EvictionPolicy("age", manager_policy="age")}
+POLICIES = {name: EvictionPolicy(name, name) for name in EVICTION_POLICIES}
 """The policies a replay can use, by name (only those that behave differently are offered)."""
 
 OFFLINE_OPTIMUM = "belady"
