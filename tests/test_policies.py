@@ -1,137 +1,286 @@
-"""Eviction policies: the plug-in point (KVCacheManagerConfig.eviction_policy) and the age
-policy's decisions, against hand-worked cases."""
+"""Eviction policies: the plug-in point (KVCacheManagerConfig.eviction_policy), the classed
+queue's exact eviction order, the hazard policy's learning and decisions against hand-worked
+cases, and what it gains through a manager (with the KV bytes of every reuse checked)."""
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import pytest
 
 from kvpool import ConfigError, GpuCacheTierConfig, KVCacheManager
-from kvpool.policies import TRANSIENT_PRIORITY, AgePolicy, EvictionPolicy
-from kvpool.records import DEFAULT_PRIORITY, Block
+from kvpool.eviction import ClassedQueue
+from kvpool.policies import CLASSES, EvictionPolicy, HazardPolicy, LfuPolicy, use_class
+from kvpool.records import DEFAULT_PRIORITY, Block, Page
 from tests.engine_check import CheckingEngine
 from tests.helpers import MiB, make_config, record_layer, shutdown
 
 TPB = 16
 LAYERS = [record_layer(i, TPB, repeats=64) for i in range(2)]  # 64 KiB pages: 32 per 2 MiB
+TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
 
 
-def block(key: int, parent: Block | None = None) -> Block:
-    return Block(key.to_bytes(32, "big"), parent, b"", TPB, [None])
+def block(key: int, parent: Block | None = None, uses: int = 1, used_at: float = 0.0) -> Block:
+    made = Block(key.to_bytes(32, "big"), parent, b"", TPB, [None])
+    made.uses, made.used_at = uses, used_at
+    if parent is not None:
+        assert parent.kids is None
+        parent.kids = made
+    return made
 
 
-def learned_policy() -> AgePolicy:
-    """10 blocks of capacity, inserted one per second from t=1 (the rate is known at t=10: 10
-    blocks in 9 s, so bins of 3.6 s, a horizon of 9 s, a sample every 1.125 s); cached leaves
-    of every age from 0 to 40 s for exposure; then forty reuses of leaves 22 s after their last
-    use and none sooner."""
-    now = [0.0]
-    policy = AgePolicy(
-        10,
-        lambda: [now[0] - age for age in range(41)],
-        horizon_factor=1.0,
-        bins=10,
-        ghosts_per_block=4,
-    )
+def page_of(owner: Block, priority: int = DEFAULT_PRIORITY) -> Page:
+    page = Page(None, 0, 0, 0)
+    page.priority = priority
+    page.block, owner[0] = owner, page
+    return page
+
+
+class ScriptedPolicy(EvictionPolicy):
+    """Classes by use count; picks the head whose block has the lowest given score."""
+
+    def __init__(self, scores: dict[int, float]) -> None:
+        self.scores = scores
+
+    def classify(self, page: Page) -> int:
+        assert page.block is not None
+        return use_class(page.block)
+
+    def pick(self, heads: list[Page]) -> int:  # type: ignore[override]
+        values = [self.scores[int.from_bytes(head.block.key, "big")] for head in heads]  # type: ignore[union-attr]
+        return values.index(min(values))
+
+
+def test_the_classed_queue_takes_the_oldest_leaf_of_the_class_the_policy_picks():
+    a1 = block(1, uses=3, used_at=10.0)
+    a2 = block(2, a1, uses=1, used_at=10.0)  # a1's child: a1 is not a leaf until a2 goes
+    b = block(3, uses=2, used_at=5.0)
+    c = block(4, uses=1, used_at=1.0)
+    d = block(5, uses=1, used_at=7.0)
+    low, high = block(6, used_at=50.0), block(7, used_at=0.0)
+    queue = ClassedQueue(ScriptedPolicy({1: 0.05, 2: 0.9, 3: 0.2, 4: 0.5, 5: 0.1}), CLASSES)
+    pages = {key: page_of(owner) for key, owner in zip("a2 a1 b c d".split(), (a2, a1, b, c, d))}
+    engine_low, engine_high = page_of(low, priority=10), page_of(high, priority=90)
+    queue.push_all([pages["a2"], pages["a1"], engine_high, pages["b"], engine_low])
+    queue.push(pages["c"])
+    queue.push(pages["d"])
+    assert [page.klass for page in pages.values()] == [1, 3, 2, 1, 1]
+    assert engine_low.klass == engine_high.klass == 0  # engine priorities are not classed
+    # Heads: class 1 c (used at 1 s), class 2 b, class 3 none (a1 has a child). The policy
+    # picks b (0.2 < 0.5), then c, then d (0.1; class 1's oldest is d, then a2), then a2,
+    # whose going makes a1 a leaf (0.05); engine priorities around them.
+    expected = [engine_low, pages["b"], pages["c"], pages["d"], pages["a2"], pages["a1"]]
+    assert queue.oldest(7) == [*expected, engine_high]
+    assert list(queue) == [*expected, engine_high] and len(queue) == 7  # peeking takes nothing
+    queue.check_invariants()
+    assert [queue.pop() for _ in range(7)] == [*expected, engine_high]
+    assert len(queue) == 0 and not any(page.queued for page in pages.values())
+    queue.check_invariants()
+
+
+def test_a_parent_set_aside_comes_back_when_its_child_leaves_the_queue():
+    parent = block(1, uses=3, used_at=1.0)
+    child = block(2, parent, uses=1, used_at=1.0)
+    other = block(3, uses=2, used_at=5.0)
+    queue = ClassedQueue(ScriptedPolicy({1: 0.0, 2: 0.9, 3: 0.5}), CLASSES)
+    child_page, parent_page, other_page = page_of(child), page_of(parent), page_of(other)
+    queue.push_all([child_page, parent_page, other_page])
+    assert queue.oldest(1) == [other_page]  # (the child scores 0.9, the parent is not a leaf)
+    queue.remove(child_page)  # e.g. a request locked it (or it was dropped)
+    child.parent, parent.kids = None, None
+    assert queue.oldest(2) == [parent_page, other_page]  # a leaf now: 0.0
+    queue.check_invariants()
+
+
+def test_stale_heap_entries_are_skipped_and_compacted():
+    owner = block(1, uses=2)
+    page = page_of(owner)
+    queue = ClassedQueue(ScriptedPolicy({1: 0.0}), CLASSES)
+    for second in range(5000):
+        owner.used_at = float(second)
+        queue.push(page)
+        queue.remove(page)
+    assert queue._entries <= 1024 + 2  # rebuilt as stale entries piled up
+    queue.push(page)
+    assert queue.oldest(5) == [page] and len(queue) == 1
+    queue.check_invariants()
+    page.klass = 1  # (class 2 in fact): found
+    page.priority = 20
+    with pytest.raises(Exception, match="classed"):
+        queue.check_invariants()
+
+
+def learned_policy(now: list[float]) -> HazardPolicy:
+    """10 blocks of capacity, inserted one per second from t=1: at t=10 the rate is 10 blocks
+    in 9 s, so bins of 80 ghosts / (10/9 blocks/s) / 10 bins = 7.2 s and a horizon of 9 s.
+    Then, counts by hand-fed candidates: 40 class-2 leaves all used again 22 s after their last
+    use (bin 3); 40 class-1 leaves never, dropped and forgotten at 60 s (bin 8)."""
+    policy = HazardPolicy(10, lambda: now[0], bins=10)
     root = block(0)
-    for second in range(1, 12):
+    for second in range(1, 11):
         now[0] = float(second)
-        policy.inserted([block(second, root)], float(second))
-    assert policy.width == pytest.approx(3.6) and policy.horizon == pytest.approx(9.0)
-    for t in range(12, 100):  # exposure samples as time goes on
-        now[0] = float(t)
-        policy.inserted([], float(t))
-    assert all(x > 0 for x in policy.exposure)
-    for _ in range(40):
-        leaf = block(99, root)
-        leaf.used_at = now[0] - 22.0
-        policy.used([leaf], now[0])
-    assert sum(policy.events) == 40
+        policy.inserted([Block(second.to_bytes(32, "big"), root, b"", TPB, [None])], now[0])
+    assert policy.width == pytest.approx(7.2) and policy.horizon == pytest.approx(9.0)
+    policy.step_blocks = policy._until_step = 10**9  # no fading while the test feeds counts
+    now[0] = 100.0
+    for n in range(40):
+        twice = block(1000 + n, root, uses=2, used_at=now[0])
+        root.kids = None
+        policy.released(twice, now[0])
+        policy.used([twice], now[0] + 22.0)
+        assert twice.uses == 3 and not twice.candidate
+        once = block(2000 + n, root, uses=1, used_at=now[0])
+        root.kids = None
+        policy.released(once, now[0])
+        once.in_tree = False
+        policy.dropped([once], [root], now[0])  # a ghost now
+    for n in range(40):
+        policy.ghosts.pop(next(iter(policy.ghosts)))  # (forgotten: counted by hand below)
+        policy._count(1, 60.0, reused=False)
+    assert sum(policy.reuses[2]) == 40 and policy.reuses[2][3] == 40
+    assert sum(policy.reuses[1]) == 0 and policy.ended[1][8] == 40
     return policy
 
 
-def test_age_policy_makes_fresh_blocks_transient_when_older_ones_are_due_sooner():
-    policy = learned_policy()
-    # A fresh block (age 0) is reused within 9 s with probability 0; the oldest one (22 s)
-    # is in the bin where every reuse happened: fresh blocks go first.
-    assert policy.release_priority(200.0, 22.0) == TRANSIENT_PRIORITY
-    # An oldest block past every reuse seen (or as fresh as the new ones): plain LRU.
-    assert policy.release_priority(200.0, 300.0) == DEFAULT_PRIORITY
-    assert policy.release_priority(200.0, 1.0) == DEFAULT_PRIORITY
-    assert policy.release_priority(200.0, None) is None  # nothing queued yet
+def test_the_hazard_policy_evicts_the_block_least_likely_to_be_used_within_the_horizon():
+    now = [0.0]
+    policy = learned_policy(now)
+    now[0] = 500.0
+    older_twice = page_of(block(1, uses=2, used_at=now[0] - 15.0))  # 15 s: due at 22 s
+    newer_once = page_of(block(2, uses=1, used_at=now[0] - 1.0))
+    for page in (older_twice, newer_once):
+        page.klass = policy.classify(page)
+    assert (older_twice.klass, newer_once.klass) == (2, 1)
+    # LRU would take the older block; the hazard keeps it: reused within 9 s with
+    # probability 1, against 0 for a block used once.
+    assert policy.pick([older_twice, newer_once]) == 1
+    # Past every reuse seen (30 s and more), a class-2 block is as unlikely as a class-1
+    # one: the older goes (LRU among equals).
+    stale_twice = page_of(block(3, uses=2, used_at=now[0] - 40.0))
+    stale_twice.klass = 2
+    assert policy.pick([stale_twice, newer_once]) == 0
+    # A block used three times or more is in the last class.
+    assert use_class(block(4, uses=7)) == CLASSES
 
 
-def test_age_policy_decides_nothing_before_it_has_seen_a_capacity_of_blocks():
-    policy = AgePolicy(10)
-    policy.inserted([block(1, block(0))], 1.0)
-    assert policy.release_priority(5.0, 3.0) is None
-    assert EvictionPolicy().release_priority(5.0, 3.0) is None
+def test_the_hazard_policy_classes_nothing_before_it_has_seen_a_capacity_of_blocks():
+    now = [1.0]
+    policy = HazardPolicy(10, lambda: now[0])
+    owner = block(1, block(0))
+    policy.inserted([owner], 1.0)
+    assert policy.width == 0 and policy.classify(page_of(owner)) == 0
+    policy.released(owner, 2.0)
+    assert not owner.candidate  # nothing is counted before the bins are known
 
 
-def test_ghosts_of_dropped_blocks_turn_their_return_into_a_reuse():
-    policy = learned_policy()
-    gone = block(7, block(0))
-    gone.used_at = 150.0
-    policy.dropped([gone])
-    assert policy.ghosts[gone.key] == 150.0
-    assert policy.events[5] == 0  # (the forty reuses were at 22 s: bin 6)
-    policy.inserted([block(7, block(0))], 170.0)  # back after 20 s: bin 5
-    assert policy.events[5] > 0.9 and gone.key not in policy.ghosts  # (0.96: one sample's fade)
-    for key in range(1000, 1045):  # more ghosts than 4 per block of capacity: the oldest go
-        dropped = block(key, block(0))
-        dropped.used_at = 160.0
-        policy.dropped([dropped])
-    assert len(policy.ghosts) == 40
+def test_a_dropped_block_that_comes_back_counts_as_a_reuse_at_its_age_and_keeps_its_uses():
+    now = [0.0]
+    policy = learned_policy(now)
+    root = block(0)
+    gone = block(7, root, uses=2, used_at=150.0)
+    policy.released(gone, 150.0)
+    assert gone.candidate
+    gone.in_tree = False
+    policy.dropped([gone], [root], 160.0)
+    assert policy.ghosts[hash(gone.key)] == (150.0, 2) and not gone.candidate
+    before = policy.reuses[2][2]
+    back = Block(gone.key, root, b"", TPB, [None])
+    policy.inserted([back], 170.0)  # back after 20 s: bin 2
+    assert policy.reuses[2][2] == before + 1 and hash(gone.key) not in policy.ghosts
+    assert back.uses == 3 and back.used_at == 170.0
+    # More ghosts than 8 per block of capacity: the oldest are forgotten, counted as ended.
+    ended = sum(policy.ended[1])
+    for key in range(3000, 3085):
+        leaf = block(key, block(0), uses=1, used_at=165.0)
+        policy.released(leaf, 170.0)
+        leaf.in_tree = False
+        policy.dropped([leaf], [None], 170.0)
+    assert len(policy.ghosts) == 80 and sum(policy.ended[1]) == ended + 5
 
 
-def test_a_transient_request_is_evicted_before_an_older_default_one(monkeypatch):
+def shared_documents(seconds: int) -> list[tuple[float, list[int]]]:
+    """Every second a one-off three-block prompt; every 4 s one of four three-block documents
+    with a one-block question (each document every 16 s)."""
+    turns = []
+    for second in range(seconds):
+        turns.append((float(second), list(range(second * 1000, second * 1000 + 3 * TPB))))
+        if second % 4 == 0:
+            document = list(
+                range(10**7 + second // 4 % 4 * 1000, 10**7 + second // 4 % 4 * 1000 + 3 * TPB)
+            )
+            question = list(range(2 * 10**7 + second * 100, 2 * 10**7 + second * 100 + TPB))
+            turns.append((second + 0.5, document + question))
+    return turns
+
+
+def serve(policy: str, turns: list[tuple[float, list[int]]]) -> tuple[int, KVCacheManager]:
+    """Replay the turns through a 32-block manager with `policy`; the reused tokens of the
+    second half (every reused KV record checked by the engine)."""
+    now = [0.0]
     m = KVCacheManager(
-        make_config(LAYERS, [GpuCacheTierConfig(2 * MiB)], TPB, eviction_policy="age")
+        make_config(LAYERS, [GpuCacheTierConfig(2 * MiB)], TPB, eviction_policy=policy),
+        clock=lambda: now[0],
     )
-    try:
-        engine = CheckingEngine(m)
-        decisions = iter([DEFAULT_PRIORITY, TRANSIENT_PRIORITY])
-        monkeypatch.setattr(
-            m._policy, "release_priority", lambda now, age: next(decisions, DEFAULT_PRIORITY)
-        )
-        older, newer = [list(range(n * 1000, n * 1000 + 8 * TPB)) for n in (1, 2)]
-        for tokens in (older, newer):
-            cache = m.create_kv_cache(None, [])
-            assert cache.resume() and engine.step(cache, tokens, tokens)
-            cache.close()
-        filler = list(range(9000, 9000 + 24 * TPB))  # 24 of the 32 slots: 8 must go
-        cache = m.create_kv_cache(None, [])
-        assert cache.resume() and engine.step(cache, filler, filler)
+    engine = CheckingEngine(m)
+    hits = 0
+    for index, (arrival, tokens) in enumerate(turns):
+        now[0] = arrival
+        cache = m.create_kv_cache(None, tokens)
+        reused = cache.num_committed_tokens
+        if index >= len(turns) // 2:
+            hits += reused
+        assert cache.resume() and engine.step(cache, tokens, tokens[reused:])
+        engine.check(cache, tokens)  # the reused records too
         cache.close()
-        assert m.probe_reuse(None, older) == 8 * TPB  # LRU would have dropped these
-        assert m.probe_reuse(None, newer) == 0
-    finally:
+    assert engine.records_checked > 0
+    return hits, m
+
+
+def test_through_a_manager_the_hazard_policy_keeps_what_comes_back():
+    # 32 blocks; about 3.25 blocks come in per second, so LRU keeps a block about 10 s, and
+    # each document comes back after 16 s: LRU never reuses one. The hazard policy learns that
+    # blocks used once are not used again and blocks used twice are, 16 s later.
+    turns = shared_documents(400)
+    lru, m_lru = serve("lru", turns)
+    hazard, m_hazard = serve("hazard", turns)
+    policy = m_hazard._policy
+    assert isinstance(policy, HazardPolicy) and policy.width > 0 and policy.ghosts
+    assert sum(policy.reuses[CLASSES]) > 0
+    documents_measured = sum(
+        1 for index, turn in enumerate(turns) if index >= len(turns) // 2 and turn[0] % 1
+    )
+    assert lru == 0 and hazard >= 0.9 * documents_measured * 3 * TPB, (lru, hazard)
+    for m in (m_lru, m_hazard):
+        m.check_invariants()
         shutdown(m)
 
 
-def test_the_age_policy_learns_through_the_manager_and_lru_costs_nothing(tmp_path):
-    import os
+def test_lfu_drops_blocks_used_once_before_blocks_used_more():
+    policy = LfuPolicy()
+    once, twice = block(1, used_at=5.0), block(2, used_at=1.0)
+    policy.inserted([once, twice], 0.0)
+    policy.used([twice], 1.0)
+    pages = [page_of(twice), page_of(once)]
+    queue = ClassedQueue(policy, CLASSES)
+    queue.push_all(pages)
+    assert [page.klass for page in pages] == [3, 2]  # (uses 1 -> 2 -> 3 with the hand set)
+    assert queue.oldest(2) == [pages[1], pages[0]]
 
-    from kvpool.replay.workloads import load_mooncake
 
-    trace = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
-    path = os.path.join(trace, "mooncake_conversation_trace.jsonl")
+def test_the_hazard_policy_learns_on_a_real_trace_through_the_manager():
+    path = os.path.join(TRACES, "mooncake_conversation_trace.jsonl")
     if not os.path.isfile(path):
         pytest.skip("needs ../shared/traces")
-    import dataclasses
-
     from kvpool import _debug
     from kvpool.replay.prefix import exact_block_config
+    from kvpool.replay.workloads import load_mooncake
 
-    _debug_was, _debug.DEBUG = _debug.DEBUG, False
+    was, _debug.DEBUG = _debug.DEBUG, False
     try:
         now = [0.0]
-        config = dataclasses.replace(exact_block_config(500), eviction_policy="age")
+        config = dataclasses.replace(exact_block_config(500), eviction_policy="hazard")
         m = KVCacheManager(config, clock=lambda: now[0])
-        released = []
-        policy = m._policy
-        decide = policy.release_priority
-        monkey = lambda t, age: released.append(decide(t, age)) or released[-1]  # noqa: E731
-        policy.release_priority = monkey
         for request in load_mooncake(path, limit=1500):
             now[0] = request.arrival
             prompt = request.tokens()
@@ -139,14 +288,22 @@ def test_the_age_policy_learns_through_the_manager_and_lru_costs_nothing(tmp_pat
             if cache.resume() and cache.resize(len(prompt)):
                 cache.commit(prompt[cache.num_committed_tokens :])
             cache.close()
-        assert policy.width > 0 and sum(policy.events) > 0 and policy.ghosts
-        assert TRANSIENT_PRIORITY in released and DEFAULT_PRIORITY in released
+        policy = m._policy
+        assert isinstance(policy, HazardPolicy) and policy.width > 0 and policy.ghosts
+        assert all(sum(policy.started[klass]) > 0 for klass in range(1, CLASSES + 1))
+        assert sum(map(sum, policy.reuses)) > 0
+        queue = m._storage.queues[0][0]
+        assert isinstance(queue, ClassedQueue) and queue._classed > 0
+        m.check_invariants()
         m.clear_reusable_blocks()
         m.shutdown()
     finally:
-        _debug.DEBUG = _debug_was
-    lru = KVCacheManager(make_config(LAYERS, [GpuCacheTierConfig(2 * MiB)], TPB))
+        _debug.DEBUG = was
+    lru = KVCacheManager(
+        make_config(LAYERS, [GpuCacheTierConfig(2 * MiB)], TPB, eviction_policy="lru")
+    )
     assert lru._policy is None and lru._context.policy is None
+    assert not isinstance(lru._storage.queues[0][0], ClassedQueue)
     shutdown(lru)
 
 

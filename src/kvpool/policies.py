@@ -47,6 +47,7 @@ from kvpool.errors import ConfigError
 from kvpool.records import Block, Page
 
 CLASSES = 3  # use counts 1, 2 and 3 or more
+TIE_BREAK = 1e-3  # the weight of the discounted expected reuse in a hazard score
 
 
 def use_class(block: Block) -> int:
@@ -250,24 +251,34 @@ class HazardPolicy(EvictionPolicy):
 
     def _score_table(self) -> list[list[float]]:
         """Per class, per quarter of an age bin: P(used again within the horizon | unused
-        that long), from the discrete hazard per bin (reuses / candidates at risk)."""
+        that long), from the discrete hazard per bin (reuses / candidates at risk); ties (most
+        often: no reuse within the horizon either way) go to the block with the larger
+        expected reuse discounted by e^(-wait / horizon), a later use counting less."""
         if self._scores is None:
             span = self.horizon / self.width  # in bins
+            discount = math.exp(-0.25 / span)  # per quarter bin
             self._scores = [[]]
             for klass in range(1, CLASSES + 1):
-                at_risk, log_survival = 0.0, [0.0]
+                at_risk, hazards = 0.0, []
                 for started, ended, reuses in zip(
                     self.started[klass], self.ended[klass], self.reuses[klass], strict=True
                 ):
                     at_risk += started
-                    hazard = min(reuses / at_risk, 1 - 1e-9) if at_risk > 0 else 0.0
-                    log_survival.append(log_survival[-1] + math.log1p(-hazard))
+                    hazards.append(min(reuses / at_risk, 1 - 1e-9) if at_risk > 0 else 0.0)
                     at_risk -= ended
+                log_survival = [0.0]
+                for hazard in hazards:
+                    log_survival.append(log_survival[-1] + math.log1p(-hazard))
+                later = [0.0] * (4 * self.bins + 1)  # the discounted expected reuse
+                for quarter in range(4 * self.bins - 1, -1, -1):
+                    chance = 1 - (1 - hazards[quarter // 4]) ** 0.25
+                    later[quarter] = chance + (1 - chance) * discount * later[quarter + 1]
                 table = []
                 for quarter in range(4 * self.bins):
                     first = quarter // 4
                     last = min(int(quarter / 4 + span), self.bins - 1)
-                    table.append(1 - math.exp(log_survival[last + 1] - log_survival[first]))
+                    within = 1 - math.exp(log_survival[last + 1] - log_survival[first])
+                    table.append(within + TIE_BREAK * later[quarter])
                 self._scores.append(table)
         return self._scores
 
