@@ -60,7 +60,10 @@ def test_the_classed_queue_takes_the_oldest_leaf_of_the_class_the_policy_picks()
     d = block(5, uses=1, used_at=7.0)
     low, high = block(6, used_at=50.0), block(7, used_at=0.0)
     queue = ClassedQueue(ScriptedPolicy({1: 0.05, 2: 0.9, 3: 0.2, 4: 0.5, 5: 0.1}), CLASSES)
-    pages = {key: page_of(owner) for key, owner in zip("a2 a1 b c d".split(), (a2, a1, b, c, d))}
+    pages = {
+        key: page_of(owner)
+        for key, owner in zip(["a2", "a1", "b", "c", "d"], (a2, a1, b, c, d), strict=True)
+    }
     engine_low, engine_high = page_of(low, priority=10), page_of(high, priority=90)
     queue.push_all([pages["a2"], pages["a1"], engine_high, pages["b"], engine_low])
     queue.push(pages["c"])
@@ -135,7 +138,7 @@ def learned_policy(now: list[float]) -> HazardPolicy:
         policy.released(once, now[0])
         once.in_tree = False
         policy.dropped([once], [root], now[0])  # a ghost now
-    for n in range(40):
+    for _ in range(40):
         policy.ghosts.pop(next(iter(policy.ghosts)))  # (forgotten: counted by hand below)
         policy._count(1, 60.0, reused=False)
     assert sum(policy.reuses[2]) == 40 and policy.reuses[2][3] == 40
@@ -257,7 +260,7 @@ def test_through_a_manager_the_hazard_policy_keeps_what_comes_back():
 
 
 def test_lfu_drops_blocks_used_once_before_blocks_used_more():
-    policy = LfuPolicy()
+    policy = LfuPolicy(10, lambda: 0.0)
     once, twice = block(1, used_at=5.0), block(2, used_at=1.0)
     policy.inserted([once, twice], 0.0)
     policy.used([twice], 1.0)

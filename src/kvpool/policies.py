@@ -31,8 +31,8 @@ Policies:
   capacity of inserted blocks it classes nothing (LRU). Cost: one ghost-table lookup per new
   block, a few integer updates per block used, O(classes) per eviction, and a score table of
   4 x 48 entries per class rebuilt every eighth of a capacity of insertions.
-- `lfu`: the same classes, strictly: the lowest use count first, LRU within a class (the
-  runner-up: ahead at small caches, far behind at large ones).
+- `lfu`: the same use counts, strictly: the lowest class first, LRU within a class (the
+  runner-up: ahead of LRU at small caches, far behind at large ones).
 
 See `benchmarks/eviction_study.py` and the README for what they reach on the Mooncake traces.
 """
@@ -77,26 +77,6 @@ class EvictionPolicy:
 
     def pick(self, heads: Sequence[Page]) -> int:
         return 0
-
-
-class LfuPolicy(EvictionPolicy):
-    """Use-count classes, strictly: the least used first, LRU among equals."""
-
-    name = "lfu"
-
-    def used(self, blocks: Sequence[Block], now: float) -> None:
-        for block in blocks:
-            block.uses += 1
-            block.used_at = now
-
-    def inserted(self, blocks: Sequence[Block], now: float) -> None:
-        self.used(blocks, now)
-
-    def classify(self, page: Page) -> int:
-        return use_class(page.block) if page.block is not None else 0
-
-    def pick(self, heads: Sequence[Page]) -> int:
-        return 0  # (the lowest class first)
 
 
 class HazardPolicy(EvictionPolicy):
@@ -283,6 +263,20 @@ class HazardPolicy(EvictionPolicy):
         return self._scores
 
 
+class LfuPolicy(HazardPolicy):
+    """The hazard policy's use counts (ghosts included), strictly: the least used first, LRU
+    among equals."""
+
+    name = "lfu"
+
+    def classify(self, page: Page) -> int:
+        return use_class(page.block) if page.block is not None else 0
+
+    def pick(self, heads: Sequence[Page]) -> int:
+        ranks = [(head.klass, head.block.used_at if head.block else 0.0) for head in heads]
+        return ranks.index(min(ranks))
+
+
 def make_policy(name: str, capacity_blocks: int, clock: Callable[[], float]) -> EvictionPolicy:
     """The policy `name` for a last level of `capacity_blocks` blocks."""
     if name == "lru":
@@ -290,7 +284,7 @@ def make_policy(name: str, capacity_blocks: int, clock: Callable[[], float]) -> 
     if name == "hazard":
         return HazardPolicy(capacity_blocks, clock)
     if name == "lfu":
-        return LfuPolicy()
+        return LfuPolicy(capacity_blocks, clock)
     raise ConfigError(
         f"eviction_policy={name!r} is invalid: must be one of {list(EVICTION_POLICIES)}"
     )
