@@ -308,17 +308,17 @@ def test_prefix_cache_mode_compares_policies_side_by_side(capsys, tmp_path):
     trace = write(tmp_path, "t.jsonl", MOONCAKE_SAMPLE * 4)
     path, report = tmp_path / "capacity.svg", tmp_path / "r.json"
     status, _, _ = run_cli(
-        capsys, "replay", trace, "--capacity-blocks", "2", "8", "--policy", "lru", "age",
+        capsys, "replay", trace, "--capacity-blocks", "2", "8", "--policy", "lru", "hazard",
         "belady", "--plot", str(path), "--json", str(report), "--no-progress",
     )  # fmt: skip
     assert status == 0
     results = json.loads(report.read_text())["results"]
     assert [(r["policy"], r["capacity_blocks"]) for r in results] == [
-        (p, c) for p in ("lru", "age", "belady") for c in (2, 8)
+        (p, c) for p in ("lru", "hazard", "belady") for c in (2, 8)
     ]
     by = {(r["policy"], r["capacity_blocks"]): r["hit_rate"] for r in results}
-    assert all(by["belady", c] >= max(by["lru", c], by["age", c]) for c in (2, 8))
+    assert all(by["belady", c] >= max(by["lru", c], by["hazard", c]) for c in (2, 8))
     svg = path.read_text()
-    assert all(f"<!-- {name} -->" in svg for name in ("lru", "age", "belady"))  # legend
-    status, _, err = run_cli(capsys, "replay", "--policy", "lru", "age", "--no-progress")
+    assert all(f"<!-- {name} -->" in svg for name in ("lru", "hazard", "belady"))  # legend
+    status, _, err = run_cli(capsys, "replay", "--policy", "lru", "lfu", "--no-progress")
     assert_one_line_error(status, err, "several --policy values: only in prefix-cache mode")

@@ -125,7 +125,7 @@ def learned_policy(now: list[float]) -> HazardPolicy:
         now[0] = float(second)
         policy.inserted([Block(second.to_bytes(32, "big"), root, b"", TPB, [None])], now[0])
     assert policy.width == pytest.approx(7.2) and policy.horizon == pytest.approx(9.0)
-    policy.step_blocks = policy._until_step = 10**9  # no fading while the test feeds counts
+    policy._until_fade = 10**9  # no fading while the test feeds counts
     now[0] = 100.0
     for n in range(40):
         twice = block(1000 + n, root, uses=2, used_at=now[0])

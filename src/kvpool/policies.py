@@ -27,10 +27,11 @@ Policies:
   later, when LRU has just dropped it. The estimate is a discrete hazard over eviction
   candidates (cached leaves, and dropped ones remembered as ghosts: 4 per block of capacity):
   at each candidate's end (reused, or censored: extended, or forgotten as a ghost) one count
-  in its age bin; fading every eighth of a capacity of inserted blocks. Until it has seen a
-  capacity of inserted blocks it classes nothing (LRU). Cost: one ghost-table lookup per new
-  block, a few integer updates per block used, O(classes) per eviction, and a score table of
-  4 x 48 entries per class rebuilt every eighth of a capacity of insertions.
+  in its age bin; the counts fade by 0.7 per capacity (at least 16,384) of inserted blocks.
+  Until it has seen a capacity of inserted blocks it classes nothing (LRU). Cost: one
+  ghost-table lookup per new block, a few attribute updates per block used, O(classes +
+  log n) per eviction, and a score table of 4 x 48 entries per class rebuilt every eighth of
+  a capacity of insertions.
 - `lfu`: the same use counts, strictly: the lowest class first, LRU within a class (the
   runner-up: ahead of LRU at small caches, far behind at large ones).
 
@@ -47,6 +48,7 @@ from kvpool.errors import ConfigError
 from kvpool.records import Block, Page
 
 CLASSES = 3  # use counts 1, 2 and 3 or more
+MEMORY_BLOCKS = 16384  # the least number of inserted blocks the counts fade over
 TIE_BREAK = 1e-3  # the weight of the discounted expected reuse in a hazard score
 
 
@@ -98,8 +100,11 @@ class HazardPolicy(EvictionPolicy):
         self.horizon_factor = horizon_factor
         self.bins = bins
         self.ghost_limit = ghosts_per_block * capacity_blocks
-        self.fade = fade ** (1 / 8)  # per step: `fade` per capacity's worth of inserted blocks
-        self.step_blocks = max(1, capacity_blocks // 8)
+        # Counts fade by `fade` per capacity's worth of inserted blocks (at least MEMORY_BLOCKS:
+        # fewer hold too few reuses per bin), in eight steps.
+        self.fade = fade ** (1 / 8)
+        self.fade_blocks = max(capacity_blocks, MEMORY_BLOCKS) // 8
+        self.refresh_blocks = max(1, capacity_blocks // 8)  # between score table rebuilds
         # Per class (index 0 unused) and age bin: candidates that started, ended, were reused.
         self.started = [[0.0] * bins for _ in range(CLASSES + 1)]
         self.ended = [[0.0] * bins for _ in range(CLASSES + 1)]
@@ -109,7 +114,8 @@ class HazardPolicy(EvictionPolicy):
         self.inserts = 0
         self.width = 0.0  # seconds per age bin, once the inflow rate is known
         self.horizon = 0.0
-        self._until_step = self.step_blocks
+        self._until_fade = self.fade_blocks
+        self._until_refresh = self.refresh_blocks
         self._scores: list[list[float]] | None = None
 
     # -- hooks -----------------------------------------------------------------------------------
@@ -143,9 +149,15 @@ class HazardPolicy(EvictionPolicy):
             block.uses += 1
             block.used_at = now
         self.inserts += new
-        self._until_step -= new
-        if self._until_step <= 0:
-            self._step(now)
+        if not self.width:
+            self._learn_rate(now)
+        self._until_refresh -= new
+        if self._until_refresh <= 0:
+            self._until_refresh = self.refresh_blocks
+            self._scores = None
+        self._until_fade -= new
+        if self._until_fade <= 0:
+            self._fade()
 
     def released(self, block: Block, now: float) -> None:
         if self.width and block.in_tree and block.kids is None and not block.candidate:
@@ -212,18 +224,16 @@ class HazardPolicy(EvictionPolicy):
             if reused:
                 self.reuses[klass][b] += 1
 
-    def _step(self, now: float) -> None:
-        """Every eighth of a capacity of inserted blocks: fade the counts (and learn the bin
-        width from the inflow rate once a capacity has come in)."""
-        self._until_step = self.step_blocks
-        self._scores = None
-        if not self.width:
-            assert self.first_insert is not None
-            if self.inserts >= self.capacity and now > self.first_insert:
-                rate = self.inserts / (now - self.first_insert)  # blocks per second
-                self.width = self.ghost_limit / rate / self.bins
-                self.horizon = self.horizon_factor * self.capacity / rate
-            return
+    def _learn_rate(self, now: float) -> None:
+        """Once a capacity of blocks has come in: the bin width and horizon from its rate."""
+        assert self.first_insert is not None
+        if self.inserts >= self.capacity and now > self.first_insert:
+            rate = self.inserts / (now - self.first_insert)  # blocks per second
+            self.width = self.ghost_limit / rate / self.bins
+            self.horizon = self.horizon_factor * self.capacity / rate
+
+    def _fade(self) -> None:
+        self._until_fade = self.fade_blocks
         fade = self.fade
         for table in (self.started, self.ended, self.reuses):
             for row in table:

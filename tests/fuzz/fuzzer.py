@@ -105,9 +105,9 @@ LAYOUTS: dict[str, Callable[[str], KVCacheManagerConfig]] = {
     # Every level small: suspended requests' held pages fill all of them, so resumes must swap
     # pages between levels and allocations fail for want of droppable pages.
     "tight": lambda d: _config([_kv(0), _kv(1)], _tiers(d, gpu=2, host=2, disk=2)),
-    # The experimental age eviction policy: priorities changed at release, transient pages.
-    "age-policy": lambda d: _config(
-        [_kv(0), _kv(1)], _tiers(d, gpu=2, host=2, disk=4), eviction_policy="age"
+    # The default (hazard) eviction policy everywhere else; plain LRU here.
+    "lru-policy": lambda d: _config(
+        [_kv(0), _kv(1)], _tiers(d, gpu=2, host=2, disk=4), eviction_policy="lru"
     ),
     "no-partial-reuse": lambda d: _config(
         [_kv(0), _kv(1)], _tiers(d, gpu=2, host=2), enable_partial_reuse=False
