@@ -10,7 +10,7 @@ import os
 import pytest
 
 from kvpool import ConfigError, GpuCacheTierConfig, KVCacheManager
-from kvpool.eviction import ClassedQueue
+from kvpool.eviction import ClassedQueue, EvictionQueue
 from kvpool.policies import CLASSES, EvictionPolicy, HazardPolicy, LfuPolicy, use_class
 from kvpool.records import DEFAULT_PRIORITY, Block, Page
 from tests.engine_check import CheckingEngine
@@ -112,6 +112,23 @@ def test_stale_heap_entries_are_skipped_and_compacted():
     page.priority = 20
     with pytest.raises(Exception, match="classed"):
         queue.check_invariants()
+
+
+def test_a_page_that_left_the_classed_queue_is_never_taken_from_it_again():
+    # A last-level page brought up a level: out of the classed queue, into a plain one. Its
+    # old heap entry must not come back as a victim at the last level (it once did: a
+    # migration then found fewer free slots than planned).
+    owner = block(1, uses=2)
+    page = page_of(owner)
+    last_level, upper = ClassedQueue(ScriptedPolicy({1: 0.0}), CLASSES), EvictionQueue()
+    last_level.push(page)
+    assert page.klass == 2
+    last_level.remove(page)
+    upper.push(page)
+    assert last_level.oldest(5) == [] and len(last_level) == 0
+    assert upper.oldest(5) == [page]
+    last_level.check_invariants()
+    upper.check_invariants()
 
 
 def learned_policy(now: list[float]) -> HazardPolicy:

@@ -188,7 +188,8 @@ class ClassedQueue(EvictionQueue):
         """Take `page` out (dropped or locked); its parent's page may be a leaf now."""
         if page.klass:
             assert page.queued, page
-            page.queued = False  # (its heap entry is stale now)
+            page.queued = False
+            page.klass = page.stamp = 0  # (its heap entry is stale now, wherever it goes next)
             self._interior.pop(page, None)
             self._classed -= 1
             self._len -= 1
@@ -231,7 +232,7 @@ class ClassedQueue(EvictionQueue):
         parent = block.parent if block is not None else None
         if parent is not None:
             above = parent[page.layer_group]
-            if above is not None and above.queued and above.klass:
+            if above is not None and above.level == page.level:
                 self.expose(above)
 
     def expose(self, page: Page) -> None:

@@ -214,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="prefix-cache mode: hit rates at these cache sizes (512-token blocks)",
     )
+    replay_parser.add_argument(
+        "--tier-ratios",
+        type=int_at_least(0),
+        nargs=2,
+        metavar=("HOST", "DISK"),
+        help="prefix-cache mode: add a host and a disk level of HOST and DISK times the GPU's "
+        "blocks (hits reported per level)",
+    )
     output = replay_parser.add_argument_group("output")
     output.add_argument(
         "--json", metavar="FILE", help="write the setup and every figure to this JSON file"
@@ -269,6 +277,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 parser.error(
                     "several --policy values: only in prefix-cache mode (--capacity-blocks)"
                 )
+            if args.tier_ratios and not args.capacity_blocks:
+                parser.error("--tier-ratios: only in prefix-cache mode (--capacity-blocks)")
             if args.capacity_blocks and args.remote:
                 parser.error("--capacity-blocks (prefix-cache mode) takes no --remote")
             if args.metrics_port is not None and args.capacity_blocks:

@@ -20,7 +20,7 @@ from kvpool.errors import ArgumentError, KVPoolError
 from kvpool.remote.store import url_without_password
 from kvpool.replay.driver import ReplayOptions, ReplayReport, replay
 from kvpool.replay.policy import policy_for
-from kvpool.replay.prefix import prefix_cache_hit_rate
+from kvpool.replay.prefix import PrefixCacheResult, prefix_cache_hit_rate
 from kvpool.replay.report import (
     format_bytes,
     print_report,
@@ -313,6 +313,16 @@ def finish(
         atomic_write(args.plot, lambda path: write_plot(report, path, setup["pool_groups"]))
 
 
+def served_from(result: PrefixCacheResult) -> str:
+    """Shares of the hit tokens by the level that served them, e.g. "GPU 70% HOST 30%"."""
+    if not result.hit_tokens or not result.hit_tokens_by_tier:
+        return "-"
+    return " ".join(
+        f"{name} {tokens / result.hit_tokens:.0%}"
+        for name, tokens in result.hit_tokens_by_tier.items()
+    )
+
+
 def prefix_cache_table(
     args: argparse.Namespace, workload: list[Request], title: str, notes: list[str]
 ) -> int:
@@ -321,6 +331,8 @@ def prefix_cache_table(
     from rich.table import Table
 
     results = []
+    ratios = tuple(args.tier_ratios or (0, 0))
+    assert len(ratios) == 2
     with (
         stop_on_interrupt() as should_stop,
         Progress(transient=True, disable=not args.progress) as bar,
@@ -333,7 +345,12 @@ def prefix_cache_table(
                     bar.update(task, completed=done)
 
                 result = prefix_cache_hit_rate(
-                    workload, capacity, policy, progress=advance, should_stop=should_stop
+                    workload,
+                    capacity,
+                    policy,
+                    progress=advance,
+                    should_stop=should_stop,
+                    tier_ratios=ratios,
                 )
                 bar.update(task, completed=len(workload))
                 results.append(result)
@@ -342,17 +359,31 @@ def prefix_cache_table(
             if results and results[-1].partial:
                 break
     partial = any(result.partial for result in results)
-    table = Table(title=f"prefix-cache hit rate: {title} (512-token blocks, first half warms up)")
-    for column in ("blocks", "policy", "hit rate", "hit tokens", "measured tokens"):
+    tiers = f", host {ratios[0]}x and disk {ratios[1]}x the GPU's blocks" if sum(ratios) else ""
+    table = Table(
+        title=f"prefix-cache hit rate: {title} (512-token blocks{tiers}, first half warms up)"
+    )
+    columns = ["blocks", "policy", "hit rate", "hit tokens", "measured tokens"]
+    if sum(ratios):
+        columns.insert(3, "served from")
+    for column in columns:
         table.add_column(column, justify="right")
     for result in results:
-        table.add_row(
+        row = [
             f"{result.capacity_blocks:,}" + (" (partial)" if result.partial else ""),
             result.policy,
             f"{result.hit_rate:.4f}",
             f"{result.hit_tokens:,}",
             f"{result.measured_tokens:,}",
-        )
+        ]
+        if sum(ratios):
+            row.insert(3, served_from(result))
+        table.add_row(*row)
+    if any(request.block_ids for request in workload):
+        from kvpool.replay.belady import belady_hit_rate
+
+        ceiling = belady_hit_rate(workload, 2**62).hit_rate
+        notes = [*notes, f"ceiling (a cache that never evicts): {ceiling:.4f}"]
     console = Console()
     console.print(table)
     for note in notes:

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.config import (
     AttentionLayerConfig,
     BufferConfig,
+    CacheTierConfig,
+    DiskCacheTierConfig,
     GpuCacheTierConfig,
+    HostCacheTierConfig,
     KVCacheManagerConfig,
 )
 from kvpool.errors import ArgumentError
@@ -36,6 +40,8 @@ class PrefixCacheResult:
     hit_tokens: int
     requests: int
     partial: bool = False  # stopped early
+    tier_ratios: tuple[int, int] = (0, 0)  # host and disk levels, in GPU capacities
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # served from each level
 
     @property
     def hit_rate(self) -> float:
@@ -43,12 +49,22 @@ class PrefixCacheResult:
 
 
 def exact_block_config(
-    capacity_blocks: int, tokens_per_block: int = MOONCAKE_BLOCK
+    capacity_blocks: int,
+    tokens_per_block: int = MOONCAKE_BLOCK,
+    tier_ratios: tuple[int, int] = (0, 0),
+    disk_path: str | None = None,
 ) -> KVCacheManagerConfig:
     """A one-layer layout and a GPU quota that give exactly `capacity_blocks` slots: the slot
-    size is chosen so that the blocks fill whole allocation grains."""
+    size is chosen so that the blocks fill whole allocation grains. `tier_ratios` (host, disk)
+    adds a host and a disk level of that many times the GPU's blocks (the disk's file in
+    `disk_path`)."""
     if capacity_blocks < 1:
         raise ArgumentError(f"capacity_blocks={capacity_blocks} is invalid: must be >= 1")
+    host, disk = tier_ratios
+    if not all(type(ratio) is int and ratio >= 0 for ratio in tier_ratios):
+        raise ArgumentError(f"tier_ratios={tier_ratios!r} is invalid: must be two integers >= 0")
+    if disk and disk_path is None:
+        raise ArgumentError("disk_path=None is invalid: a disk level needs a directory")
     granularity = 2 << 20
     while True:
         slot = granularity // math.gcd(granularity, capacity_blocks)
@@ -57,9 +73,13 @@ def exact_block_config(
             break
         granularity = gpu_granularity(quota)
     layer = AttentionLayerConfig(0, [BufferConfig("kv", slot)])
-    return KVCacheManagerConfig(
-        tokens_per_block, [GpuCacheTierConfig(quota)], [layer], max_util_for_resume=1.0
-    )
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(quota)]
+    if host:
+        tiers.append(HostCacheTierConfig(host * quota))
+    if disk:
+        assert disk_path is not None
+        tiers.append(DiskCacheTierConfig(disk * quota, disk_path))
+    return KVCacheManagerConfig(tokens_per_block, tiers, [layer], max_util_for_resume=1.0)
 
 
 def prefix_cache_hit_rate(
@@ -69,26 +89,59 @@ def prefix_cache_hit_rate(
     warmup_fraction: float = 0.5,
     progress: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    tier_ratios: tuple[int, int] = (0, 0),
 ) -> PrefixCacheResult:
     """Replay `requests` through a manager of exactly `capacity_blocks` 512-token blocks
-    (stopping early, with a partial result, when `should_stop()` turns true). `policy`
-    "belady" is the offline optimum instead (`kvpool.replay.belady`), a reference line."""
+    (stopping early, with a partial result, when `should_stop()` turns true); with
+    `tier_ratios` (host, disk) below a host and a disk level of that many times as many
+    blocks (the disk's file in a temporary directory), and the hits counted by the level
+    they are served from. `policy` "belady" is the offline optimum instead
+    (`kvpool.replay.belady`, one level of all the levels' blocks), a reference line."""
     if policy == OFFLINE_OPTIMUM:
         from kvpool.replay.belady import belady_hit_rate
 
-        return belady_hit_rate(requests, capacity_blocks, warmup_fraction, progress, should_stop)
+        total = capacity_blocks * (1 + sum(tier_ratios))
+        result = belady_hit_rate(requests, total, warmup_fraction, progress, should_stop)
+        return dataclasses.replace(result, capacity_blocks=capacity_blocks, tier_ratios=tier_ratios)
     chosen = policy_for(policy)
-    config = dataclasses.replace(
-        exact_block_config(capacity_blocks), eviction_policy=chosen.manager_policy
-    )
+    with tempfile.TemporaryDirectory(prefix="kvpool-prefix-") as disk_path:
+        config = dataclasses.replace(
+            exact_block_config(capacity_blocks, tier_ratios=tier_ratios, disk_path=disk_path),
+            eviction_policy=chosen.manager_policy,
+        )
+        return _replay(
+            requests,
+            capacity_blocks,
+            chosen,
+            config,
+            warmup_fraction,
+            progress,
+            should_stop,
+            tier_ratios,
+        )
+
+
+def _replay(
+    requests: Sequence[Request],
+    capacity_blocks: int,
+    chosen: EvictionPolicy,
+    config: KVCacheManagerConfig,
+    warmup_fraction: float,
+    progress: Callable[[int, int], None] | None,
+    should_stop: Callable[[], bool] | None,
+    tier_ratios: tuple[int, int],
+) -> PrefixCacheResult:
     now = [0.0]  # the trace's time: what an eviction policy learns block ages from
     manager = KVCacheManager(config, clock=lambda: now[0])
     assert manager.get_slot_counts(0) == [capacity_blocks]
     warmup = int(len(requests) * warmup_fraction)
     measured = hits = 0
     partial = False
+    before = manager.stats().hit_tokens_by_level
     try:
         for index, request in enumerate(requests):
+            if index == warmup:
+                before = manager.stats().hit_tokens_by_level
             if should_stop is not None and should_stop():
                 partial = True
                 break
@@ -105,10 +158,23 @@ def prefix_cache_hit_rate(
             if cache.resume() and cache.resize(len(prompt)):
                 cache.commit(prompt[reused:])
             cache.close()
+        stats = manager.stats()
         manager.clear_reusable_blocks()
     finally:
         manager.shutdown()
-    name = policy if isinstance(policy, str) else chosen.name
+    by_tier = {
+        name: after - earlier
+        for name, after, earlier in zip(
+            stats.level_names, stats.hit_tokens_by_level, before, strict=True
+        )
+    }
     return PrefixCacheResult(
-        capacity_blocks, name, measured, hits, max(0, len(requests) - warmup), partial
+        capacity_blocks,
+        chosen.name,
+        measured,
+        hits,
+        max(0, len(requests) - warmup),
+        partial,
+        tier_ratios,
+        by_tier if sum(tier_ratios) else {},
     )
