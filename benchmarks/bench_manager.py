@@ -162,10 +162,14 @@ def scheduler_cycle(
     max_batch: int,
     decode_len: int,
     kv_events: bool = False,
+    eviction_policy: str | None = None,
 ) -> dict[str, Any]:
-    """Workload (b); with `kv_events`, the manager publishes KV events (flushed every step)."""
+    """Workload (b); with `kv_events`, the manager publishes KV events (flushed every step);
+    `eviction_policy`: the manager's (None: its default)."""
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as disk_dir:
         config = layout_config(layout, pool_blocks, disk_dir)
+        if eviction_policy is not None:
+            config = dataclasses.replace(config, eviction_policy=eviction_policy)
         if kv_events:
             config = dataclasses.replace(
                 config, kv_events=KVEventsConfig("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from kvpool import ConfigError, GpuCacheTierConfig, KVCacheManager
+from kvpool.errors import CorruptedError
 from kvpool.eviction import ClassedQueue, EvictionQueue
 from kvpool.policies import CLASSES, EvictionPolicy, HazardPolicy, LfuPolicy, use_class
 from kvpool.records import DEFAULT_PRIORITY, Block, Page
@@ -65,12 +66,13 @@ def test_the_classed_queue_takes_the_oldest_leaf_of_the_class_the_policy_picks()
         for key, owner in zip(["a2", "a1", "b", "c", "d"], (a2, a1, b, c, d), strict=True)
     }
     engine_low, engine_high = page_of(low, priority=10), page_of(high, priority=90)
-    queue.push_all([pages["a2"], pages["a1"], engine_high, pages["b"], engine_low])
-    queue.push(pages["c"])
-    queue.push(pages["d"])
+    # Released in the order of their last use (a chain leaf first).
+    queue.push_all([pages["c"], engine_high, pages["b"], engine_low, pages["d"]])
+    queue.push(pages["a2"])
+    queue.push(pages["a1"])
     assert [page.klass for page in pages.values()] == [1, 3, 2, 1, 1]
     assert engine_low.klass == engine_high.klass == 0  # engine priorities are not classed
-    # Heads: class 1 c (used at 1 s), class 2 b, class 3 none (a1 has a child). The policy
+    # Heads: class 1 c (released first), class 2 b, class 3 none (a1 has a child). The policy
     # picks b (0.2 < 0.5), then c, then d (0.1; class 1's oldest is d, then a2), then a2,
     # whose going makes a1 a leaf (0.05); engine priorities around them.
     expected = [engine_low, pages["b"], pages["c"], pages["d"], pages["a2"], pages["a1"]]
@@ -90,27 +92,26 @@ def test_a_parent_set_aside_comes_back_when_its_child_leaves_the_queue():
     child_page, parent_page, other_page = page_of(child), page_of(parent), page_of(other)
     queue.push_all([child_page, parent_page, other_page])
     assert queue.oldest(1) == [other_page]  # (the child scores 0.9, the parent is not a leaf)
-    queue.remove(child_page)  # e.g. a request locked it (or it was dropped)
+    queue.remove_all([child_page])  # dropped (or moved to another level)
     child.parent, parent.kids = None, None
     assert queue.oldest(2) == [parent_page, other_page]  # a leaf now: 0.0
     queue.check_invariants()
 
 
-def test_stale_heap_entries_are_skipped_and_compacted():
-    owner = block(1, uses=2)
-    page = page_of(owner)
-    queue = ClassedQueue(ScriptedPolicy({1: 0.0}), CLASSES)
-    for second in range(5000):
-        owner.used_at = float(second)
-        queue.push(page)
-        queue.remove(page)
-    assert queue._entries <= 1024 + 2  # rebuilt as stale entries piled up
-    queue.push(page)
-    assert queue.oldest(5) == [page] and len(queue) == 1
+def test_a_page_removed_and_queued_again_goes_last_and_a_misplaced_one_is_found():
+    first, second = block(1, uses=2, used_at=1.0), block(2, uses=2, used_at=2.0)
+    pages = [page_of(first), page_of(second)]
+    queue = ClassedQueue(ScriptedPolicy({1: 0.0, 2: 0.0}), CLASSES)
+    queue.push_all(pages)
+    assert queue.oldest(2) == pages
+    queue.remove(pages[0])  # locked by a request, then released again
+    assert pages[0].klass == 0 and not pages[0].queued
+    first.used_at = 3.0
+    queue.push(pages[0])
+    assert queue.oldest(2) == [pages[1], pages[0]] and len(queue) == 2
     queue.check_invariants()
-    page.klass = 1  # (class 2 in fact): found
-    page.priority = 20
-    with pytest.raises(Exception, match="classed"):
+    pages[0].klass = 1  # (in class list 2 in fact)
+    with pytest.raises(CorruptedError, match="is in class list 2"):
         queue.check_invariants()
 
 

@@ -11,8 +11,6 @@ last use within each class, and the policy picks which class gives up its oldest
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
 from collections import OrderedDict
 from collections.abc import Iterator, Set
 from itertools import islice
@@ -148,34 +146,30 @@ def _is_leaf(page: Page, going: Set[Page]) -> bool:
 
 class ClassedQueue(EvictionQueue):
     """The last level's queue under an eviction policy: the default-priority pages the policy
-    classes (`policy.classify(page)` > 0) sit in one heap per class ordered by their block's
-    last use; each eviction takes the oldest leaf of the class `policy.pick` chooses. Other
-    pages (engine priorities; pages queued before the policy classes anything) keep LRU order
-    around them.
+    classes (`policy.classify(page)` > 0) sit in one list per class, in release order; each
+    eviction takes the oldest leaf of the class `policy.pick` chooses. Other pages (engine
+    priorities; pages queued before the policy classes anything) keep LRU order around them.
 
-    Push is O(log n), remove O(1) (heap entries go stale and are skipped; the heaps are rebuilt
-    when most entries are stale), taking a page O(classes + log n). A page that is not a leaf
-    when it reaches the top of its heap waits aside until a child page of it leaves the queue
-    (or is picked to go, in the same batch: victims are picked as if taken one by one)."""
+    Push and remove are O(1), taking a page O(classes). A page that is not a leaf when it
+    reaches the head of its list waits aside until a child page of it leaves the queue (or is
+    picked to go in the same batch: victims are picked as if taken one by one); then it goes
+    back to the head of its list (it was the oldest there)."""
 
     def __init__(self, policy: EvictionPolicy, classes: int) -> None:
         super().__init__()
         self.policy = policy
-        self._heaps: list[list[tuple[float, int, Page]]] = [[] for _ in range(classes + 1)]
-        self._interior: dict[Page, None] = {}
-        self._classed = 0  # queued classed pages (in a heap or interior)
-        self._entries = 0  # heap entries, stale ones included
-        self._stamps = itertools.count(1)
+        self._classes: list[OrderedDict[Page, None]] = [OrderedDict() for _ in range(classes + 1)]
+        self._interior: dict[Page, None] = {}  # classed pages set aside: not leaves
+        self._classed = 0  # queued classed pages (in a list or aside)
 
     def push(self, page: Page) -> None:
         klass = self.policy.classify(page) if page.priority == DEFAULT_PRIORITY else 0
         if not klass:
-            page.klass = 0
             super().push(page)
             return
         assert not page.queued, page
         page.klass = klass
-        self._heap_push(page)
+        self._classes[klass][page] = None
         page.queued = True
         self._classed += 1
         self._len += 1
@@ -185,27 +179,32 @@ class ClassedQueue(EvictionQueue):
             self.push(page)
 
     def remove(self, page: Page) -> None:
-        """Take `page` out (dropped or locked); its parent's page may be a leaf now."""
-        if page.klass:
-            assert page.queued, page
-            page.queued = False
-            page.klass = page.stamp = 0  # (its heap entry is stale now, wherever it goes next)
-            self._interior.pop(page, None)
-            self._classed -= 1
-            self._len -= 1
-        else:
+        klass = page.klass
+        if not klass:
             super().remove(page)
-        self._expose_parent(page)
+            return
+        assert page.queued, page
+        if page in self._interior:
+            del self._interior[page]
+        else:
+            del self._classes[klass][page]
+        page.queued = False
+        page.klass = 0
+        self._classed -= 1
+        self._len -= 1
 
     def remove_all(self, pages: list[Page]) -> None:
+        """`remove` each page (dropped or moved): their parents' pages may be leaves now."""
         for page in pages:
             self.remove(page)
+        for page in pages:
+            self._expose_parent(page)
 
     def pop(self) -> Page:
         victims = self.oldest(1)
         if not victims:
             raise OutOfPagesError("no evictable page")
-        self.remove(victims[0])
+        self.remove_all(victims)
         return victims[0]
 
     def __iter__(self) -> Iterator[Page]:
@@ -232,68 +231,54 @@ class ClassedQueue(EvictionQueue):
         parent = block.parent if block is not None else None
         if parent is not None:
             above = parent[page.layer_group]
-            if above is not None and above.level == page.level:
-                self.expose(above)
+            if above is not None and above in self._interior:
+                self._expose(above)
 
-    def expose(self, page: Page) -> None:
-        """`page`'s block lost a child: if it was waiting aside, it may be a leaf now."""
-        if page in self._interior:
-            del self._interior[page]
-            self._heap_push(page)
+    def _expose(self, page: Page) -> None:
+        """Back from aside to the head of its list."""
+        del self._interior[page]
+        pages = self._classes[page.klass]
+        pages[page] = None
+        pages.move_to_end(page, last=False)
 
-    def _heap_push(self, page: Page) -> None:
-        assert page.block is not None, page
-        stamp = page.stamp = next(self._stamps)
-        heapq.heappush(self._heaps[page.klass], (page.block.used_at, stamp, page))
-        self._entries += 1
-        if self._entries > 2 * self._classed + 1024:
-            self._compact()
-
-    def _compact(self) -> None:
-        """Drop the stale heap entries."""
-        for heap in self._heaps:
-            heap[:] = [entry for entry in heap if entry[2].queued and entry[2].stamp == entry[1]]
-            heapq.heapify(heap)
-        self._entries = sum(map(len, self._heaps))
-
-    def _top(self, klass: int, going: Set[Page]) -> Page | None:
-        """The oldest leaf of class `klass` once the pages `going` are gone (stale entries
-        dropped, non-leaves set aside)."""
-        heap = self._heaps[klass]
-        while heap:
-            _, stamp, page = heap[0]
-            if page.queued and page.stamp == stamp:
-                if _is_leaf(page, going):
-                    return page
-                page.stamp = 0
-                self._interior[page] = None
-            heapq.heappop(heap)
-            self._entries -= 1
+    def _head(self, klass: int, going: Set[Page]) -> Page | None:
+        """The oldest leaf of class `klass` once the pages `going` are gone (the non-leaves
+        before it set aside)."""
+        pages = self._classes[klass]
+        while pages:
+            page = next(iter(pages))
+            if _is_leaf(page, going):
+                return page
+            del pages[page]
+            self._interior[page] = None
         return None
 
     def _take_classed(self, count: int) -> list[Page]:
         """The next `count` classed pages to evict, as the policy picks them (left queued)."""
         pages: list[Page] = []
         going: set[Page] = set()
-        taken: list[tuple[int, tuple[float, int, Page]]] = []
-        classes = range(1, len(self._heaps))
+        lists, pick = self._classes, self.policy.pick
+        classes = range(1, len(lists))
         while len(pages) < count:
             heads, their_classes = [], []
             for klass in classes:
-                page = self._top(klass, going)
-                if page is not None:
-                    heads.append(page)
-                    their_classes.append(klass)
+                if lists[klass]:
+                    page = self._head(klass, going)
+                    if page is not None:
+                        heads.append(page)
+                        their_classes.append(klass)
             if not heads:
                 break
-            chosen = self.policy.pick(heads)
-            klass, page = their_classes[chosen], heads[chosen]
-            taken.append((klass, heapq.heappop(self._heaps[klass])))
+            chosen = pick(heads) if len(heads) > 1 else 0
+            page = heads[chosen]
+            del lists[their_classes[chosen]][page]  # (put back below: still queued)
             pages.append(page)
             going.add(page)
-            self._expose_parent(page)  # (a leaf once this one goes, as evictions go one by one)
-        for klass, entry in taken:  # (still queued: back in place)
-            heapq.heappush(self._heaps[klass], entry)
+            self._expose_parent(page)  # (a leaf once this one goes)
+        for page in reversed(pages):
+            head = lists[page.klass]
+            head[page] = None
+            head.move_to_end(page, last=False)
         if len(pages) < count:  # pages whose children are evictable only after them
             pages += islice(self._interior, count - len(pages))
         return pages
@@ -302,18 +287,15 @@ class ClassedQueue(EvictionQueue):
         return self._classed
 
     def _class_problems(self) -> list[str]:
-        live = [
-            entry[2]
-            for heap in self._heaps
-            for entry in heap
-            if entry[2].queued and entry[2].stamp == entry[1]
-        ]
         problems = []
-        if len(live) + len(self._interior) != self._classed:
-            problems.append(
-                f"{len(live)} pages in heaps + {len(self._interior)} aside != {self._classed}"
-            )
-        for page in [*live, *self._interior]:
+        listed = sum(map(len, self._classes)) + len(self._interior)
+        if listed != self._classed:
+            problems.append(f"{listed} classed pages listed != {self._classed}")
+        for klass, pages in enumerate(self._classes):
+            for page in pages:
+                if page.klass != klass or page.priority != DEFAULT_PRIORITY or not page.queued:
+                    problems.append(f"{page} (class {page.klass}) is in class list {klass}")
+        for page in self._interior:
             if not page.klass or page.priority != DEFAULT_PRIORITY or not page.queued:
-                problems.append(f"{page} (class {page.klass}) is classed")
+                problems.append(f"{page} (class {page.klass}) is set aside")
         return problems

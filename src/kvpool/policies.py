@@ -53,8 +53,10 @@ TIE_BREAK = 1e-3  # the weight of the discounted expected reuse in a hazard scor
 
 
 def use_class(block: Block) -> int:
-    """A block's class: how many requests used it while it was remembered, 1 to CLASSES."""
-    return min(max(block.uses, 1), CLASSES)
+    """A block's class: how many requests used it while it was remembered, up to CLASSES (0:
+    never counted, e.g. a block from the remote tier: LRU)."""
+    uses = block.uses
+    return uses if uses < CLASSES else CLASSES
 
 
 class EvictionPolicy:

@@ -48,7 +48,6 @@ class Page:
         "priority",
         "queued",
         "slot",
-        "stamp",
     )
 
     def __init__(
@@ -70,7 +69,6 @@ class Page:
         self.priority = DEFAULT_PRIORITY
         self.queued = False  # in its (level, pool group) eviction queue
         self.klass = 0  # its eviction policy class there (`kvpool.policies`; 0: none)
-        self.stamp = 0  # which entry of its class heap is current (`ClassedQueue`)
 
     @property
     def slot_id(self) -> int:
