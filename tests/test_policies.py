@@ -39,7 +39,7 @@ def page_of(owner: Block, priority: int = DEFAULT_PRIORITY) -> Page:
 
 
 class ScriptedPolicy(EvictionPolicy):
-    """Classes by use count; picks the head whose block has the lowest given score."""
+    """Classes by use count; scores each block as given."""
 
     def __init__(self, scores: dict[int, float]) -> None:
         self.scores = scores
@@ -48,9 +48,8 @@ class ScriptedPolicy(EvictionPolicy):
         assert page.block is not None
         return use_class(page.block)
 
-    def pick(self, heads: list[Page]) -> int:  # type: ignore[override]
-        values = [self.scores[int.from_bytes(head.block.key, "big")] for head in heads]  # type: ignore[union-attr]
-        return values.index(min(values))
+    def scorer(self):  # type: ignore[no-untyped-def]
+        return lambda page: self.scores[int.from_bytes(page.block.key, "big")]
 
 
 def test_the_classed_queue_takes_the_oldest_leaf_of_the_class_the_policy_picks():
@@ -170,17 +169,22 @@ def test_the_hazard_policy_evicts_the_block_least_likely_to_be_used_within_the_h
     now[0] = 500.0
     older_twice = page_of(block(1, uses=2, used_at=now[0] - 15.0))  # 15 s: due at 22 s
     newer_once = page_of(block(2, uses=1, used_at=now[0] - 1.0))
-    for page in (older_twice, newer_once):
+    stale_twice = page_of(block(3, uses=2, used_at=now[0] - 40.0))
+    for page in (older_twice, newer_once, stale_twice):
         page.klass = policy.classify(page)
     assert (older_twice.klass, newer_once.klass) == (2, 1)
+    score = policy.scorer()
     # LRU would take the older block; the hazard keeps it: reused within 9 s with
     # probability 1, against 0 for a block used once.
-    assert policy.pick([older_twice, newer_once]) == 1
+    assert score(older_twice) == pytest.approx(1.0, abs=2e-3) and score(newer_once) == 0.0
     # Past every reuse seen (30 s and more), a class-2 block is as unlikely as a class-1
-    # one: the older goes (LRU among equals).
-    stale_twice = page_of(block(3, uses=2, used_at=now[0] - 40.0))
-    stale_twice.klass = 2
-    assert policy.pick([stale_twice, newer_once]) == 0
+    # one (the queue then takes the one used longest ago).
+    assert score(stale_twice) == 0.0
+    # Through a classed queue: the stale one, then the newer block used once; the block
+    # used twice, due soon, last.
+    queue = ClassedQueue(policy, CLASSES)
+    queue.push_all([stale_twice, older_twice, newer_once])
+    assert queue.oldest(3) == [stale_twice, newer_once, older_twice]
     # A block used three times or more is in the last class.
     assert use_class(block(4, uses=7)) == CLASSES
 

@@ -153,7 +153,8 @@ class ClassedQueue(EvictionQueue):
     Push and remove are O(1), taking a page O(classes). A page that is not a leaf when it
     reaches the head of its list waits aside until a child page of it leaves the queue (or is
     picked to go in the same batch: victims are picked as if taken one by one); then it goes
-    back to the head of its list (it was the oldest there)."""
+    back to the head of its list (it was the oldest there). Ties between the classes' heads
+    go to the one used longest ago."""
 
     def __init__(self, policy: EvictionPolicy, classes: int) -> None:
         super().__init__()
@@ -197,8 +198,9 @@ class ClassedQueue(EvictionQueue):
         """`remove` each page (dropped or moved): their parents' pages may be leaves now."""
         for page in pages:
             self.remove(page)
-        for page in pages:
-            self._expose_parent(page)
+        if self._interior:
+            for page in pages:
+                self._expose_parent(page)
 
     def pop(self) -> Page:
         victims = self.oldest(1)
@@ -226,20 +228,20 @@ class ClassedQueue(EvictionQueue):
             pages += self._take_classed(count - len(pages))
         return pages
 
-    def _expose_parent(self, page: Page) -> None:
+    def _expose_parent(self, page: Page) -> int:
+        """If `page`'s parent page was set aside, back to the head of its list (it was the
+        oldest there); returns its class (0: none)."""
         block = page.block
         parent = block.parent if block is not None else None
         if parent is not None:
             above = parent[page.layer_group]
             if above is not None and above in self._interior:
-                self._expose(above)
-
-    def _expose(self, page: Page) -> None:
-        """Back from aside to the head of its list."""
-        del self._interior[page]
-        pages = self._classes[page.klass]
-        pages[page] = None
-        pages.move_to_end(page, last=False)
+                del self._interior[above]
+                pages = self._classes[above.klass]
+                pages[above] = None
+                pages.move_to_end(above, last=False)
+                return above.klass
+        return 0
 
     def _head(self, klass: int, going: Set[Page]) -> Page | None:
         """The oldest leaf of class `klass` once the pages `going` are gone (the non-leaves
@@ -254,27 +256,34 @@ class ClassedQueue(EvictionQueue):
         return None
 
     def _take_classed(self, count: int) -> list[Page]:
-        """The next `count` classed pages to evict, as the policy picks them (left queued)."""
+        """The next `count` classed pages to evict, as the policy scores them (left queued)."""
         pages: list[Page] = []
         going: set[Page] = set()
-        lists, pick = self._classes, self.policy.pick
-        classes = range(1, len(lists))
-        while len(pages) < count:
-            heads, their_classes = [], []
-            for klass in classes:
-                if lists[klass]:
-                    page = self._head(klass, going)
-                    if page is not None:
-                        heads.append(page)
-                        their_classes.append(klass)
-            if not heads:
-                break
-            chosen = pick(heads) if len(heads) > 1 else 0
-            page = heads[chosen]
-            del lists[their_classes[chosen]][page]  # (put back below: still queued)
+        lists, score = self._classes, self.policy.scorer()
+        ranks: dict[int, tuple[float, float]] = {}  # class -> its head's (score, last use)
+        heads: dict[int, Page] = {}
+
+        def refresh(klass: int) -> None:
+            page = self._head(klass, going) if lists[klass] else None
+            if page is None:
+                ranks.pop(klass, None)
+                heads.pop(klass, None)
+            else:
+                ranks[klass] = (score(page), page.block.used_at)  # type: ignore[union-attr]
+                heads[klass] = page
+
+        for klass in range(1, len(lists)):
+            refresh(klass)
+        while len(pages) < count and heads:
+            klass = min(ranks, key=ranks.__getitem__) if len(ranks) > 1 else next(iter(ranks))
+            page = heads[klass]
+            del lists[klass][page]  # (put back below: still queued)
             pages.append(page)
             going.add(page)
-            self._expose_parent(page)  # (a leaf once this one goes)
+            exposed = self._expose_parent(page)  # (a leaf once this one goes)
+            refresh(klass)
+            if exposed and exposed != klass:
+                refresh(exposed)
         for page in reversed(pages):
             head = lists[page.klass]
             head[page] = None

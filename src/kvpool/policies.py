@@ -15,7 +15,8 @@ What a policy sees (each hook O(1) per block it is given):
   parents before that, which may have become leaves).
 What it decides:
 - `classify(page)`: the class of a page queued at the last level (0: the one LRU list);
-- `pick(heads)`: which of the class lists' oldest pages (`heads`, one per list) goes next.
+- `scorer()`: a function scoring pages for the next evictions: of the class lists' oldest
+  leaves, the lowest score goes first (ties: the one used longest ago).
 
 Policies:
 - `lru`: no classes; the queue's own order.
@@ -79,8 +80,10 @@ class EvictionPolicy:
     def classify(self, page: Page) -> int:
         return 0
 
-    def pick(self, heads: Sequence[Page]) -> int:
-        return 0
+    def scorer(self) -> Callable[[Page], float]:
+        """How likely a classed page is to be wanted (for the next evictions): the lowest
+        score goes first, ties to the one used longest ago."""
+        return lambda page: 0.0
 
 
 class HazardPolicy(EvictionPolicy):
@@ -166,45 +169,48 @@ class HazardPolicy(EvictionPolicy):
             self._start(block, now)
 
     def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None], now: float) -> None:
-        ghosts, learning = self.ghosts, bool(self.width)
+        if not self.width:
+            return
+        ghosts, started, width, last_bin = self.ghosts, self.started, self.width, self.bins - 1
         for block in blocks:
-            if not block.in_tree and learning:  # a candidate from now on, as a ghost
+            if not block.in_tree:  # a candidate from now on, as a ghost
+                uses = block.uses
                 if not block.candidate:  # (a leaf only since its children went with it)
-                    self._start(block, now)
-                ghosts[hash(block.key)] = (block.used_at, block.uses)
-                block.candidate = False
+                    age_bin = int((now - block.used_at) / width)
+                    started[uses if uses < CLASSES else CLASSES][min(age_bin, last_bin)] += 1
+                else:
+                    block.candidate = False
+                ghosts[hash(block.key)] = (block.used_at, uses)
         while len(ghosts) > self.ghost_limit:  # forget the oldest: censored
             used_at, uses = ghosts.pop(next(iter(ghosts)))
             self._count(min(uses, CLASSES), now - used_at, reused=False)
-        if learning:
-            for parent in parents:
-                if (
-                    parent is not None
-                    and parent.parent is not None  # (not a scope's root)
-                    and parent.in_tree
-                    and parent.kids is None
-                    and not parent.candidate
-                ):
-                    self._start(parent, now)
+        for parent in parents:
+            if (
+                parent is not None
+                and not parent.candidate
+                and parent.kids is None
+                and parent.in_tree
+                and parent.parent is not None  # (not a scope's root)
+            ):
+                self._start(parent, now)
 
     def classify(self, page: Page) -> int:
-        block = page.block
-        return use_class(block) if self.width and block is not None else 0
-
-    def pick(self, heads: Sequence[Page]) -> int:
-        if not self.width:  # (nothing was classed)
+        if not self.width:
             return 0
+        uses = page.block.uses  # type: ignore[union-attr]  # (queued pages are committed)
+        return uses if uses < CLASSES else CLASSES
+
+    def scorer(self) -> Callable[[Page], float]:
+        if not self.width:  # (nothing was classed)
+            return super().scorer()
         scores, now, per_bin = self._score_table(), self.clock(), 4 / self.width
-        chosen, best = 0, (math.inf, math.inf)
-        for index, head in enumerate(heads):
-            block = head.block
-            assert block is not None
-            table = scores[head.klass]
-            position = int((now - block.used_at) * per_bin)
-            score = table[position] if position < len(table) else 0.0
-            if (score, block.used_at) < best:
-                chosen, best = index, (score, block.used_at)
-        return chosen
+        size = 4 * self.bins
+
+        def score(page: Page) -> float:
+            position = int((now - page.block.used_at) * per_bin)  # type: ignore[union-attr]
+            return scores[page.klass][position] if position < size else 0.0
+
+        return score
 
     # -- the hazard ------------------------------------------------------------------------------
 
@@ -284,9 +290,8 @@ class LfuPolicy(HazardPolicy):
     def classify(self, page: Page) -> int:
         return use_class(page.block) if page.block is not None else 0
 
-    def pick(self, heads: Sequence[Page]) -> int:
-        ranks = [(head.klass, head.block.used_at if head.block else 0.0) for head in heads]
-        return ranks.index(min(ranks))
+    def scorer(self) -> Callable[[Page], float]:
+        return lambda page: page.klass
 
 
 def make_policy(name: str, capacity_blocks: int, clock: Callable[[], float]) -> EvictionPolicy:
