@@ -265,7 +265,7 @@ def test_help_shows_defaults(capsys):
     status, out, _ = run_cli(capsys, "replay", "--help")
     out = " ".join(out.split())
     assert status == 0
-    for default in ("64", "2048", "lru", "512MiB", "2GiB", "20.0", "32"):
+    for default in ("64", "2048", "hazard", "512MiB", "2GiB", "20.0", "32"):
         assert f"(default: {default})" in out, default
     assert "(default: None)" not in out and "(default: False)" not in out
 

@@ -171,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[*POLICIES, OFFLINE_OPTIMUM],
         nargs="+",
         default=next(iter(POLICIES)),
-        help=f"eviction policy (default: %(default)s; {OFFLINE_OPTIMUM}: the offline optimum; with --capacity-blocks, "
-        "several policies side by side)",
+        help="eviction policy (default: %(default)s); with --capacity-blocks, several side by "
+        f"side, and {OFFLINE_OPTIMUM}: the offline optimum",
     )
     scheduler.add_argument(
         "--no-rebalance", action="store_true", help="never move memory between pool groups"
