@@ -295,7 +295,7 @@ class LfuPolicy(HazardPolicy):
 
 
 def make_policy(name: str, capacity_blocks: int, clock: Callable[[], float]) -> EvictionPolicy:
-    """The policy `name` for a last level of `capacity_blocks` blocks."""
+    """The policy `name` for a cache of `capacity_blocks` blocks (every level together)."""
     if name == "lru":
         return EvictionPolicy()
     if name == "hazard":

@@ -622,6 +622,8 @@ def fuzz(layout: str, seed: int, num_ops: int) -> Counter[str]:
                 ops.append(op)
                 run.apply(op)
             counters = run.manager._storage
+            policy = run.manager._policy
+            learned = int(getattr(policy, "width", 0) > 0)  # (the hazard policy classes pages)
             moved, dropped = sum(counters.num_moved), counters.num_dropped
             swapped, relocated = counters.num_swapped, counters.num_relocated
             run.close()
@@ -634,6 +636,7 @@ def fuzz(layout: str, seed: int, num_ops: int) -> Counter[str]:
         stats["pages swapped"] = swapped
         stats["pages relocated"] = relocated
         stats["records checked"] = run.engine.records_checked
+        stats["eviction policy learned"] = learned
         return stats
 
 

@@ -26,6 +26,7 @@ def test_fuzz(layout, request, tmp_path):
     assert stats["tokens computed"] > ops and stats["records checked"] > 100 * ops
     assert stats["reused tokens"] > 0 and stats["resumes"] > 0 and stats["closes"] > 0
     assert stats["pages dropped"] > 0
+    assert stats["eviction policy learned"] == (layout != "lru-policy")
     if layout != "gpu":
         assert stats["pages moved between levels"] > 0
     if "disk" in layout or layout in ("hybrid", "tight"):

@@ -116,9 +116,10 @@ class ManagerCore:
         self._tree = RadixTree(self.layout, spare_blocks=max(self._levels[0].slot_counts))
         self._storage.on_drop = self._tree.remove_pages
         self._clock = clock or time.monotonic
-        policy = make_policy(
-            self._config.eviction_policy, max(self._levels[-1].slot_counts), self._clock
-        )
+        # The policy decides what the last level drops; what it keeps stays cached somewhere
+        # in every level together, so its horizon is the blocks of all levels.
+        capacity = sum(max(level.slot_counts) for level in self._levels)
+        policy = make_policy(self._config.eviction_policy, capacity, self._clock)
         self._policy: EvictionPolicy | None = None if policy.name == "lru" else policy
         if self._policy is not None:  # (no page is queued yet)
             queues = self._storage.queues[self._storage.last_level]
