@@ -322,3 +322,24 @@ def test_prefix_cache_mode_compares_policies_side_by_side(capsys, tmp_path):
     assert all(f"<!-- {name} -->" in svg for name in ("lru", "hazard", "belady"))  # legend
     status, _, err = run_cli(capsys, "replay", "--policy", "lru", "lfu", "--no-progress")
     assert_one_line_error(status, err, "several --policy values: only in prefix-cache mode")
+
+
+def test_prefix_cache_mode_with_host_and_disk_levels_reports_hits_per_level(capsys, tmp_path):
+    trace = write(tmp_path, "t.jsonl", MOONCAKE_SAMPLE * 6)
+    report = tmp_path / "r.json"
+    status, out, _ = run_cli(
+        capsys, "replay", trace, "--capacity-blocks", "2", "--tier-ratios", "1", "2",
+        "--policy", "lru", "hazard", "belady", "--json", str(report), "--no-progress",
+    )  # fmt: skip
+    assert status == 0 and "served from" in out and "ceiling (a cache that never evicts)" in out
+    results = {r["policy"]: r for r in json.loads(report.read_text())["results"]}
+    for policy in ("lru", "hazard"):
+        by_tier = results[policy]["hit_tokens_by_tier"]
+        assert list(by_tier) == ["GPU", "HOST", "DISK"]
+        assert sum(by_tier.values()) == results[policy]["hit_tokens"] > 0
+        assert by_tier["HOST"] + by_tier["DISK"] > 0  # the lower levels served some hits
+    # The optimum is over the blocks of all levels together (2 + 2 + 4).
+    assert results["belady"]["tier_ratios"] == [1, 2]
+    assert results["belady"]["hit_rate"] >= results["lru"]["hit_rate"]
+    status, _, err = run_cli(capsys, "replay", "--tier-ratios", "1", "2", "--no-progress")
+    assert_one_line_error(status, err, "--tier-ratios: only in prefix-cache mode")

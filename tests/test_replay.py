@@ -251,6 +251,21 @@ def test_lru_reproduces_the_reference_simulator(monkeypatch):
         )
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isfile(CONVERSATION), reason="needs ../shared/traces")
+def test_the_default_policy_gets_half_again_lrus_hits_at_4000_blocks(monkeypatch):
+    # The goal of issue 19: at least 1.5x the reference LRU's hit rate (0.0859) on the
+    # conversation trace with 4,000 blocks (the policy reaches about 1.9x).
+    monkeypatch.setattr(_debug, "DEBUG", False)
+    with open(os.path.join(TRACES, "reference_hitrates_kvcache_simulator.json")) as file:
+        reference = json.load(file)["traces"]["mooncake_conversation_trace.jsonl"]
+    (lru,) = [
+        p for p in reference["points"] if p["policy"] == "lru" and p["capacity_blocks"] == 4000
+    ]
+    result = prefix_cache_hit_rate(load_mooncake(CONVERSATION), 4000, "hazard")
+    assert result.hit_rate >= 1.5 * lru["hit_rate"], result
+
+
 def blocks_request(*ids):
     return Request(0.0, 512 * len(ids), 1, block_ids=tuple(ids))
 
