@@ -115,18 +115,23 @@ def test_a_page_removed_and_queued_again_goes_last_and_a_misplaced_one_is_found(
 
 
 def test_a_page_that_left_the_classed_queue_is_never_taken_from_it_again():
-    # A last-level page brought up a level: out of the classed queue, into a plain one. Its
-    # old heap entry must not come back as a victim at the last level (it once did: a
-    # migration then found fewer free slots than planned).
+    # A last-level page brought up a level: out of the classed queue, into a plain one; then
+    # back, with an engine priority (not classed). Neither queue may lose track of it.
     owner = block(1, uses=2)
     page = page_of(owner)
     last_level, upper = ClassedQueue(ScriptedPolicy({1: 0.0}), CLASSES), EvictionQueue()
     last_level.push(page)
     assert page.klass == 2
-    last_level.remove(page)
+    last_level.remove_all([page])
     upper.push(page)
     assert last_level.oldest(5) == [] and len(last_level) == 0
     assert upper.oldest(5) == [page]
+    upper.remove(page)
+    page.priority = 60
+    last_level.push(page)
+    assert page.klass == 0 and last_level.oldest(5) == [page]
+    last_level.remove(page)
+    assert len(last_level) == 0
     last_level.check_invariants()
     upper.check_invariants()
 
