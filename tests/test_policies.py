@@ -97,6 +97,19 @@ def test_a_parent_set_aside_comes_back_when_its_child_leaves_the_queue():
     queue.check_invariants()
 
 
+def test_a_batch_of_victims_is_picked_as_if_taken_one_by_one():
+    # The child goes first; its parent is a leaf from then on and, scoring lowest, goes
+    # before the other class's head (not after everything else).
+    parent = block(1, uses=3, used_at=1.0)
+    child = block(2, parent, uses=1, used_at=1.0)
+    other = block(3, uses=2, used_at=2.0)
+    pages = [page_of(child), page_of(parent), page_of(other)]
+    queue = ClassedQueue(ScriptedPolicy({1: 0.0, 2: 0.1, 3: 0.5}), CLASSES)
+    queue.push_all(pages)
+    assert queue.oldest(3) == pages
+    queue.check_invariants()
+
+
 def test_a_page_removed_and_queued_again_goes_last_and_a_misplaced_one_is_found():
     first, second = block(1, uses=2, used_at=1.0), block(2, uses=2, used_at=2.0)
     pages = [page_of(first), page_of(second)]
