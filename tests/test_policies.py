@@ -194,7 +194,7 @@ def test_the_hazard_policy_evicts_the_block_least_likely_to_be_used_within_the_h
     score = policy.scorer()
     # LRU would take the older block; the hazard keeps it: reused within 9 s with
     # probability 1, against 0 for a block used once.
-    assert score(older_twice) == pytest.approx(1.0, abs=2e-3) and score(newer_once) == 0.0
+    assert 1.0 <= score(older_twice) < 1.05 and score(newer_once) == 0.0  # (+ the tie-break)
     # Past every reuse seen (30 s and more), a class-2 block is as unlikely as a class-1
     # one (the queue then takes the one used longest ago).
     assert score(stale_twice) == 0.0
@@ -243,17 +243,15 @@ def test_a_dropped_block_that_comes_back_counts_as_a_reuse_at_its_age_and_keeps_
 
 
 def shared_documents(seconds: int) -> list[tuple[float, list[int]]]:
-    """Every second a one-off three-block prompt; every 4 s one of four three-block documents
-    with a one-block question (each document every 16 s)."""
+    """Every second a one-off three-block prompt; every 3 s one of four three-block documents
+    with a one-block question (each document every 12 s)."""
     turns = []
     for second in range(seconds):
         turns.append((float(second), list(range(second * 1000, second * 1000 + 3 * TPB))))
-        if second % 4 == 0:
-            document = list(
-                range(10**7 + second // 4 % 4 * 1000, 10**7 + second // 4 % 4 * 1000 + 3 * TPB)
-            )
+        if second % 3 == 0:
+            start = 10**7 + second // 3 % 4 * 1000
             question = list(range(2 * 10**7 + second * 100, 2 * 10**7 + second * 100 + TPB))
-            turns.append((second + 0.5, document + question))
+            turns.append((second + 0.5, list(range(start, start + 3 * TPB)) + question))
     return turns
 
 
@@ -281,9 +279,9 @@ def serve(policy: str, turns: list[tuple[float, list[int]]]) -> tuple[int, KVCac
 
 
 def test_through_a_manager_the_hazard_policy_keeps_what_comes_back():
-    # 32 blocks; about 3.25 blocks come in per second, so LRU keeps a block about 10 s, and
-    # each document comes back after 16 s: LRU never reuses one. The hazard policy learns that
-    # blocks used once are not used again and blocks used twice are, 16 s later.
+    # 32 blocks; about 3.3 blocks come in per second, so LRU keeps a block about 9.6 s, and
+    # each document comes back after 12 s: LRU never reuses one. The hazard policy learns that
+    # blocks used once are not used again and blocks used twice are, 12 s later.
     turns = shared_documents(400)
     lru, m_lru = serve("lru", turns)
     hazard, m_hazard = serve("hazard", turns)

@@ -274,8 +274,15 @@ class ClassedQueue(EvictionQueue):
 
         for klass in range(1, len(lists)):
             refresh(klass)
+        margin = self.policy.margin
         while len(pages) < count and heads:
-            klass = min(ranks, key=ranks.__getitem__) if len(ranks) > 1 else next(iter(ranks))
+            if len(ranks) > 1:
+                klass = min(ranks, key=ranks.__getitem__)
+                oldest = min(ranks, key=lambda other: ranks[other][1])
+                if ranks[oldest][0] - ranks[klass][0] <= margin:  # (not worth leaving LRU)
+                    klass = oldest
+            else:
+                klass = next(iter(ranks))
             page = heads[klass]
             del lists[klass][page]  # (put back below: still queued)
             pages.append(page)
