@@ -110,6 +110,17 @@ def test_a_batch_of_victims_is_picked_as_if_taken_one_by_one():
     queue.check_invariants()
 
 
+@pytest.mark.parametrize(("newer_score", "first"), [(0.49, "older"), (0.47, "newer")])
+def test_a_head_must_score_a_margin_below_the_oldest_to_go_before_it(newer_score, first):
+    older, newer = block(1, uses=1, used_at=1.0), block(2, uses=2, used_at=5.0)
+    policy = ScriptedPolicy({1: 0.5, 2: newer_score})
+    policy.margin = 0.02
+    queue = ClassedQueue(policy, CLASSES)
+    pages = {"older": page_of(older), "newer": page_of(newer)}
+    queue.push_all(list(pages.values()))
+    assert queue.oldest(1) == [pages[first]]
+
+
 def test_a_page_removed_and_queued_again_goes_last_and_a_misplaced_one_is_found():
     first, second = block(1, uses=2, used_at=1.0), block(2, uses=2, used_at=2.0)
     pages = [page_of(first), page_of(second)]
