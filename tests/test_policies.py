@@ -39,17 +39,18 @@ def page_of(owner: Block, priority: int = DEFAULT_PRIORITY) -> Page:
 
 
 class ScriptedPolicy(EvictionPolicy):
-    """Classes by use count; scores each block as given."""
+    """Classes by use count; scores each block as given (uncertainty: `error`)."""
 
-    def __init__(self, scores: dict[int, float]) -> None:
+    def __init__(self, scores: dict[int, float], error: float = 0.0) -> None:
         self.scores = scores
+        self.error = error
 
     def classify(self, page: Page) -> int:
         assert page.block is not None
         return use_class(page.block)
 
     def scorer(self):  # type: ignore[no-untyped-def]
-        return lambda page: self.scores[int.from_bytes(page.block.key, "big")]
+        return lambda page: (self.scores[int.from_bytes(page.block.key, "big")], self.error)
 
 
 def test_the_classed_queue_takes_the_oldest_leaf_of_the_class_the_policy_picks():
@@ -110,10 +111,16 @@ def test_a_batch_of_victims_is_picked_as_if_taken_one_by_one():
     queue.check_invariants()
 
 
-@pytest.mark.parametrize(("newer_score", "first"), [(0.49, "older"), (0.47, "newer")])
-def test_a_head_must_score_a_margin_below_the_oldest_to_go_before_it(newer_score, first):
+@pytest.mark.parametrize(
+    ("newer_score", "error", "first"),
+    [(0.49, 0.0, "older"), (0.47, 0.0, "newer"), (0.47, 0.01, "older"), (0.43, 0.02, "newer")],
+)
+def test_a_head_must_score_a_margin_and_its_uncertainty_below_the_oldest_to_go_first(
+    newer_score, error, first
+):
+    # Margin 0.02, plus each head's uncertainty: 0.5 - 0.47 > 0.02 but not > 0.04.
     older, newer = block(1, uses=1, used_at=1.0), block(2, uses=2, used_at=5.0)
-    policy = ScriptedPolicy({1: 0.5, 2: newer_score})
+    policy = ScriptedPolicy({1: 0.5, 2: newer_score}, error)
     policy.margin = 0.02
     queue = ClassedQueue(policy, CLASSES)
     pages = {"older": page_of(older), "newer": page_of(newer)}
@@ -205,10 +212,10 @@ def test_the_hazard_policy_evicts_the_block_least_likely_to_be_used_within_the_h
     score = policy.scorer()
     # LRU would take the older block; the hazard keeps it: reused within 9 s with
     # probability 1, against 0 for a block used once.
-    assert 1.0 <= score(older_twice) < 1.05 and score(newer_once) == 0.0  # (+ the tie-break)
+    assert 1.0 <= score(older_twice)[0] < 1.05 and score(newer_once) == (0.0, 0.0)  # (+ tie-break)
     # Past every reuse seen (30 s and more), a class-2 block is as unlikely as a class-1
     # one (the queue then takes the one used longest ago).
-    assert score(stale_twice) == 0.0
+    assert score(stale_twice)[0] == 0.0
     # Through a classed queue: the stale one, then the newer block used once; the block
     # used twice, due soon, last.
     queue = ClassedQueue(policy, CLASSES)

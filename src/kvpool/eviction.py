@@ -261,6 +261,7 @@ class ClassedQueue(EvictionQueue):
         going: set[Page] = set()
         lists, score = self._classes, self.policy.scorer()
         ranks: dict[int, tuple[float, float]] = {}  # class -> its head's (score, last use)
+        errors: dict[int, float] = {}  # class -> its head's score's uncertainty
         heads: dict[int, Page] = {}
 
         def refresh(klass: int) -> None:
@@ -269,7 +270,8 @@ class ClassedQueue(EvictionQueue):
                 ranks.pop(klass, None)
                 heads.pop(klass, None)
             else:
-                ranks[klass] = (score(page), page.block.used_at)  # type: ignore[union-attr]
+                value, errors[klass] = score(page)
+                ranks[klass] = (value, page.block.used_at)  # type: ignore[union-attr]
                 heads[klass] = page
 
         for klass in range(1, len(lists)):
@@ -279,7 +281,8 @@ class ClassedQueue(EvictionQueue):
             if len(ranks) > 1:
                 klass = min(ranks, key=ranks.__getitem__)
                 oldest = min(ranks, key=lambda other: ranks[other][1])
-                if ranks[oldest][0] - ranks[klass][0] <= margin:  # (not worth leaving LRU)
+                doubt = margin + errors[oldest] + errors[klass]
+                if ranks[oldest][0] - ranks[klass][0] <= doubt:  # (not worth leaving LRU)
                     klass = oldest
             else:
                 klass = next(iter(ranks))

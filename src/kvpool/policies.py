@@ -50,6 +50,7 @@ from kvpool.records import Block, Page
 
 CLASSES = 3  # use counts 1, 2 and 3 or more
 MEMORY_BLOCKS = 16384  # the least number of inserted blocks the counts fade over
+CONFIDENCE = 2.0  # standard errors a head's score must be below LRU's choice's, each
 TIE_BREAK = 0.05  # the weight of the discounted expected reuse in a hazard score
 
 
@@ -81,10 +82,12 @@ class EvictionPolicy:
     def classify(self, page: Page) -> int:
         return 0
 
-    def scorer(self) -> Callable[[Page], float]:
-        """How likely a classed page is to be wanted (for the next evictions): the lowest
-        score goes first, ties to the one used longest ago."""
-        return lambda page: 0.0
+    def scorer(self) -> Callable[[Page], tuple[float, float]]:
+        """How likely a classed page is to be wanted (for the next evictions), and how
+        uncertain that is (a half-width): the lowest score goes first, ties to the one used
+        longest ago; LRU's choice stays unless another head scores lower by more than the
+        margin and both uncertainties."""
+        return lambda page: (0.0, 0.0)
 
 
 class HazardPolicy(EvictionPolicy):
@@ -127,6 +130,7 @@ class HazardPolicy(EvictionPolicy):
         self._until_fade = self.fade_blocks
         self._until_refresh = self.refresh_blocks
         self._scores: list[list[float]] | None = None
+        self._errors: list[list[float]] = []
 
     # -- hooks -----------------------------------------------------------------------------------
 
@@ -205,15 +209,18 @@ class HazardPolicy(EvictionPolicy):
         uses = page.block.uses  # type: ignore[union-attr]  # (queued pages are committed)
         return uses if uses < CLASSES else CLASSES
 
-    def scorer(self) -> Callable[[Page], float]:
+    def scorer(self) -> Callable[[Page], tuple[float, float]]:
         if not self.width:  # (nothing was classed)
             return super().scorer()
         scores, now, per_bin = self._score_table(), self.clock(), 4 / self.width
         size = 4 * self.bins
+        errors = self._errors
 
-        def score(page: Page) -> float:
+        def score(page: Page) -> tuple[float, float]:
             position = int((now - page.block.used_at) * per_bin)  # type: ignore[union-attr]
-            return scores[page.klass][position] if position < size else 0.0
+            if position >= size:
+                return 0.0, 0.0
+            return scores[page.klass][position], errors[page.klass][position]
 
         return score
 
@@ -260,14 +267,15 @@ class HazardPolicy(EvictionPolicy):
         if self._scores is None:
             span = self.horizon / self.width  # in bins
             discount = math.exp(-0.25 / span)  # per quarter bin
-            self._scores = [[]]
+            self._scores, self._errors = [[]], [[]]
             for klass in range(1, CLASSES + 1):
-                at_risk, hazards = 0.0, []
+                at_risk, hazards, risks = 0.0, [], []
                 for started, ended, reuses in zip(
                     self.started[klass], self.ended[klass], self.reuses[klass], strict=True
                 ):
                     at_risk += started
                     hazards.append(min(reuses / at_risk, 1 - 1e-9) if at_risk > 0 else 0.0)
+                    risks.append(at_risk)
                     at_risk -= ended
                 log_survival = [0.0]
                 for hazard in hazards:
@@ -276,13 +284,18 @@ class HazardPolicy(EvictionPolicy):
                 for quarter in range(4 * self.bins - 1, -1, -1):
                     chance = 1 - (1 - hazards[quarter // 4]) ** 0.25
                     later[quarter] = chance + (1 - chance) * discount * later[quarter + 1]
-                table = []
+                table, errors = [], []
                 for quarter in range(4 * self.bins):
                     first = quarter // 4
                     last = min(int(quarter / 4 + span), self.bins - 1)
                     within = 1 - math.exp(log_survival[last + 1] - log_survival[first])
                     table.append(within + TIE_BREAK * later[quarter])
+                    # (a binomial standard error, from the candidates at risk at that age)
+                    errors.append(
+                        CONFIDENCE * math.sqrt(within * (1 - within) / max(risks[first], 1.0))
+                    )
                 self._scores.append(table)
+                self._errors.append(errors)
         return self._scores
 
 
@@ -295,8 +308,8 @@ class LfuPolicy(HazardPolicy):
     def classify(self, page: Page) -> int:
         return use_class(page.block) if page.block is not None else 0
 
-    def scorer(self) -> Callable[[Page], float]:
-        return lambda page: page.klass
+    def scorer(self) -> Callable[[Page], tuple[float, float]]:
+        return lambda page: (page.klass, 0.0)
 
 
 def make_policy(name: str, capacity_blocks: int, clock: Callable[[], float]) -> EvictionPolicy:
