@@ -258,6 +258,9 @@ def test_a_dropped_block_that_comes_back_counts_as_a_reuse_at_its_age_and_keeps_
         leaf.in_tree = False
         policy.dropped([leaf], [None], 170.0)
     assert len(policy.ghosts) == 80 and sum(policy.ended[1]) == ended + 5
+    first_kept = (3005).to_bytes(32, "big")
+    assert hash((3004).to_bytes(32, "big")) not in policy.ghosts  # the oldest went
+    assert next(iter(policy.ghosts)) == hash(first_kept)
 
 
 def shared_documents(seconds: int) -> list[tuple[float, list[int]]]:

@@ -26,7 +26,7 @@ Policies:
   likely to be. Both signals matter on real traces: a block used twice is about twice as likely
   to come back as a block used once, and on conversations the next turn comes a minute or two
   later, when LRU has just dropped it. The estimate is a discrete hazard over eviction
-  candidates (cached leaves, and dropped ones remembered as ghosts: 4 per block of capacity):
+  candidates (cached leaves, and dropped ones remembered as ghosts: 8 per block of capacity):
   at each candidate's end (reused, or censored: extended, or forgotten as a ghost) one count
   in its age bin; the counts fade by 0.7 per capacity (at least 16,384) of inserted blocks.
   Until it has seen a capacity of inserted blocks it classes nothing (LRU). Cost: one
@@ -42,6 +42,7 @@ See `benchmarks/eviction_study.py` and the README for what they reach on the Moo
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvpool.config import EVICTION_POLICIES
@@ -122,7 +123,9 @@ class HazardPolicy(EvictionPolicy):
         self.started = [[0.0] * bins for _ in range(CLASSES + 1)]
         self.ended = [[0.0] * bins for _ in range(CLASSES + 1)]
         self.reuses = [[0.0] * bins for _ in range(CLASSES + 1)]
-        self.ghosts: dict[int, tuple[float, int]] = {}  # hash(key) -> (last use, uses)
+        # hash(key) -> (last use, uses), oldest first (an OrderedDict: a plain dict's first
+        # item costs O(deleted items) to find, and the oldest ghost is dropped at every drop)
+        self.ghosts: OrderedDict[int, tuple[float, int]] = OrderedDict()
         self.first_insert: float | None = None
         self.inserts = 0
         self.width = 0.0  # seconds per age bin, once the inflow rate is known
@@ -191,7 +194,7 @@ class HazardPolicy(EvictionPolicy):
                     block.candidate = False
                 ghosts[hash(block.key)] = (block.used_at, uses)
         while len(ghosts) > self.ghost_limit:  # forget the oldest: censored
-            used_at, uses = ghosts.pop(next(iter(ghosts)))
+            used_at, uses = ghosts.popitem(last=False)[1]
             self._count(min(uses, CLASSES), now - used_at, reused=False)
         for parent in parents:
             if (
