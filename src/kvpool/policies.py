@@ -23,16 +23,17 @@ Policies:
 - `hazard` (the default): learns online, per use-count class (used once, twice, three times or
   more), the probability that a block unused for a given time is used again within a horizon
   (capacity / inflow seconds), and evicts, of the class lists' oldest leaves, the one least
-  likely to be. Both signals matter on real traces: a block used twice is about twice as likely
+  likely to be; it leaves LRU's choice (the head used longest ago) only for a head scoring
+  lower by more than `margin` plus two standard errors of each score. Both signals matter on real traces: a block used twice is about twice as likely
   to come back as a block used once, and on conversations the next turn comes a minute or two
   later, when LRU has just dropped it. The estimate is a discrete hazard over eviction
   candidates (cached leaves, and dropped ones remembered as ghosts: 8 per block of capacity):
   at each candidate's end (reused, or censored: extended, or forgotten as a ghost) one count
   in its age bin; the counts fade by 0.7 per capacity (at least 16,384) of inserted blocks.
   Until it has seen a capacity of inserted blocks it classes nothing (LRU). Cost: one
-  ghost-table lookup per new block, a few attribute updates per block used, O(classes +
-  log n) per eviction, and a score table of 4 x 48 entries per class rebuilt every eighth of
-  a capacity of insertions.
+  ghost-table lookup per new block, a few attribute updates per block used, O(classes) per
+  eviction, and a score table of 4 x 48 entries per class rebuilt every eighth of a capacity
+  of insertions; memory: about 120 bytes per ghost.
 - `lfu`: the same use counts, strictly: the lowest class first, LRU within a class (the
   runner-up: ahead of LRU at small caches, far behind at large ones).
 
