@@ -15,8 +15,9 @@ What a policy sees (each hook O(1) per block it is given):
   parents before that, which may have become leaves).
 What it decides:
 - `classify(page)`: the class of a page queued at the last level (0: the one LRU list);
-- `scorer()`: a function scoring pages for the next evictions: of the class lists' oldest
-  leaves, the lowest score goes first (ties: the one used longest ago).
+- `scorer()`: a function scoring pages for the next evictions, (score, uncertainty): of the
+  class lists' oldest leaves, the lowest score goes first (ties: the one used longest ago),
+  but LRU's choice stays unless beaten by more than `margin` and both uncertainties.
 
 Policies:
 - `lru`: no classes; the queue's own order.
