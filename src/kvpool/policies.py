@@ -25,7 +25,7 @@ Policies:
   more), the probability that a block unused for a given time is used again within a horizon
   (capacity / inflow seconds), and evicts, of the class lists' oldest leaves, the one least
   likely to be; it leaves LRU's choice (the head used longest ago) only for a head scoring
-  lower by more than `margin` plus two standard errors of each score. Both signals matter on real traces: a block used twice is about twice as likely
+  lower by more than `margin` plus one standard error of each score. Both signals matter on real traces: a block used twice is about twice as likely
   to come back as a block used once, and on conversations the next turn comes a minute or two
   later, when LRU has just dropped it. The estimate is a discrete hazard over eviction
   candidates (cached leaves, and dropped ones remembered as ghosts: 8 per block of capacity):
@@ -53,7 +53,7 @@ from kvpool.records import Block, Page
 
 CLASSES = 3  # use counts 1, 2 and 3 or more
 MEMORY_BLOCKS = 16384  # the least number of inserted blocks the counts fade over
-CONFIDENCE = 2.0  # standard errors a head's score must be below LRU's choice's, each
+CONFIDENCE = 1.0  # standard errors a head's score must be below LRU's choice's, each
 TIE_BREAK = 0.05  # the weight of the discounted expected reuse in a hazard score
 
 
