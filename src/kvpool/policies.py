@@ -25,9 +25,10 @@ Policies:
   more), the probability that a block unused for a given time is used again within a horizon
   (capacity / inflow seconds), and evicts, of the class lists' oldest leaves, the one least
   likely to be; it leaves LRU's choice (the head used longest ago) only for a head scoring
-  lower by more than `margin` plus one standard error of each score. Both signals matter on real traces: a block used twice is about twice as likely
-  to come back as a block used once, and on conversations the next turn comes a minute or two
-  later, when LRU has just dropped it. The estimate is a discrete hazard over eviction
+  lower by more than `margin` plus one standard error of each score. Both signals matter on
+  real traces: a block used twice is about twice as likely to come back as a block used once,
+  and on conversations the next turn comes a minute or two later, when LRU has just dropped
+  it. The estimate is a discrete hazard over eviction
   candidates (cached leaves, and dropped ones remembered as ghosts: 8 per block of capacity):
   at each candidate's end (reused, or censored: extended, or forgotten as a ghost) one count
   in its age bin; the counts fade by 0.7 per capacity (at least 16,384) of inserted blocks.
