@@ -4,8 +4,8 @@ Lowest priority first, then least recently pushed. Push, remove and pop are O(1)
 per priority, plus a sorted list of the priorities in use, at most 101).
 
 Under an eviction policy other than LRU (`kvpool.policies`) the last level's queues are
-`ClassedQueue`s: the default-priority pages the policy classes are ordered by their block's
-last use within each class, and the policy picks which class gives up its oldest leaf.
+`ClassedQueue`s: the default-priority pages the policy classes sit in one list per class (in
+release order), and the policy's scores decide which class gives up its oldest leaf.
 """
 
 from __future__ import annotations
@@ -147,14 +147,15 @@ def _is_leaf(page: Page, going: Set[Page]) -> bool:
 class ClassedQueue(EvictionQueue):
     """The last level's queue under an eviction policy: the default-priority pages the policy
     classes (`policy.classify(page)` > 0) sit in one list per class, in release order; each
-    eviction takes the oldest leaf of the class `policy.pick` chooses. Other pages (engine
-    priorities; pages queued before the policy classes anything) keep LRU order around them.
+    eviction takes, of the classes' oldest leaves, the one `policy.scorer()` scores lowest
+    (LRU's choice, the one used longest ago, unless another scores lower by more than
+    `policy.margin` and both uncertainties). Other pages (engine priorities; pages queued
+    before the policy classes anything) keep LRU order around them.
 
     Push and remove are O(1), taking a page O(classes). A page that is not a leaf when it
     reaches the head of its list waits aside until a child page of it leaves the queue (or is
     picked to go in the same batch: victims are picked as if taken one by one); then it goes
-    back to the head of its list (it was the oldest there). Ties between the classes' heads
-    go to the one used longest ago."""
+    back to the head of its list (it was the oldest there)."""
 
     def __init__(self, policy: EvictionPolicy, classes: int) -> None:
         super().__init__()
