@@ -128,6 +128,34 @@ def test_a_head_must_score_a_margin_and_its_uncertainty_below_the_oldest_to_go_f
     assert queue.oldest(1) == [pages[first]]
 
 
+def test_an_interrupt_while_picking_victims_leaves_the_queue_as_it_was():
+    owners = [block(n, uses=1 + n % 3, used_at=float(n)) for n in range(1, 9)]
+    pages = [page_of(owner) for owner in owners]
+    scores = {n: 0.1 * n for n in range(1, 9)}
+    policy = ScriptedPolicy(scores)
+    queue = ClassedQueue(policy, CLASSES)
+    queue.push_all(pages)
+    expected = queue.oldest(8)
+    calls = [0]
+
+    def scorer():  # type: ignore[no-untyped-def]
+        def score(page):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            if calls[0] == 6:
+                raise KeyboardInterrupt
+            return scores[int.from_bytes(page.block.key, "big")], 0.0
+
+        return score
+
+    policy.scorer = scorer  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        queue.oldest(8)
+    assert calls[0] == 6  # (it stopped in the middle)
+    policy.scorer = ScriptedPolicy.scorer.__get__(policy)  # type: ignore[method-assign]
+    queue.check_invariants()
+    assert len(queue) == 8 and queue.oldest(8) == expected
+
+
 def test_a_page_removed_and_queued_again_goes_last_and_a_misplaced_one_is_found():
     first, second = block(1, uses=2, used_at=1.0), block(2, uses=2, used_at=2.0)
     pages = [page_of(first), page_of(second)]

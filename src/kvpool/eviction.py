@@ -278,27 +278,29 @@ class ClassedQueue(EvictionQueue):
         for klass in range(1, len(lists)):
             refresh(klass)
         margin = self.policy.margin
-        while len(pages) < count and heads:
-            if len(ranks) > 1:
-                klass = min(ranks, key=ranks.__getitem__)
-                oldest = min(ranks, key=lambda other: ranks[other][1])
-                doubt = margin + errors[oldest] + errors[klass]
-                if ranks[oldest][0] - ranks[klass][0] <= doubt:  # (not worth leaving LRU)
-                    klass = oldest
-            else:
-                klass = next(iter(ranks))
-            page = heads[klass]
-            del lists[klass][page]  # (put back below: still queued)
-            pages.append(page)
-            going.add(page)
-            exposed = self._expose_parent(page)  # (a leaf once this one goes)
-            refresh(klass)
-            if exposed and exposed != klass:
-                refresh(exposed)
-        for page in reversed(pages):
-            head = lists[page.klass]
-            head[page] = None
-            head.move_to_end(page, last=False)
+        try:
+            while len(pages) < count and heads:
+                if len(ranks) > 1:
+                    klass = min(ranks, key=ranks.__getitem__)
+                    oldest = min(ranks, key=lambda other: ranks[other][1])
+                    doubt = margin + errors[oldest] + errors[klass]
+                    if ranks[oldest][0] - ranks[klass][0] <= doubt:  # (not worth leaving LRU)
+                        klass = oldest
+                else:
+                    klass = next(iter(ranks))
+                page = heads[klass]
+                pages.append(page)  # (first: whatever happens, `finally` puts it back)
+                del lists[klass][page]
+                going.add(page)
+                exposed = self._expose_parent(page)  # (a leaf once this one goes)
+                refresh(klass)
+                if exposed and exposed != klass:
+                    refresh(exposed)
+        finally:  # the pages stay queued: back at the heads of their lists, in order
+            for page in reversed(pages):
+                head = lists[page.klass]
+                head[page] = None
+                head.move_to_end(page, last=False)
         if len(pages) < count:  # pages whose children are evictable only after them
             pages += islice(self._interior, count - len(pages))
         return pages
