@@ -232,6 +232,41 @@ def scheduler_cycle(
     }
 
 
+def variant_options(description: str, layouts: str) -> argparse.ArgumentParser:
+    """The command line of a script comparing variants of workload (b)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--num-requests", type=int, default=2000)
+    parser.add_argument("--layouts", default=layouts)
+    parser.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS)
+    return parser
+
+
+def cycle_variants(
+    args: argparse.Namespace, variants: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Workload (b) per layout under each variant (`scheduler_cycle` keyword arguments), the
+    variants alternating run by run in this process: layout -> variant -> results."""
+    workload = load_workload_module(args.peers_dir)
+    prefix = workload.make_prefix_workload(seed=0, num_requests=args.num_requests)
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for layout in args.layouts.split(","):
+        results[layout] = {name: [] for name in variants}
+        for _ in range(args.runs):
+            for name, options in variants.items():
+                results[layout][name].append(
+                    scheduler_cycle(
+                        prefix.requests,
+                        layout,
+                        workload.PREFIX_POOL_BLOCKS,
+                        workload.MAX_BATCH,
+                        prefix.params["decode_len"],
+                        **options,
+                    )
+                )
+    return results
+
+
 def median_tree(items: list[Any]) -> Any:
     first = items[0]
     if isinstance(first, dict):

@@ -7,7 +7,6 @@ Run: python benchmarks/bench_policy.py [--runs 5] [--policies hazard,lfu] [--lay
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -15,42 +14,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_manager import DEFAULT_PEERS, load_workload_module, scheduler_cycle
+from bench_manager import cycle_variants, variant_options
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--num-requests", type=int, default=2000)
+    parser = variant_options(__doc__.splitlines()[0], layouts="full,hybrid,tiers")
     parser.add_argument("--policies", default="hazard")
-    parser.add_argument("--layouts", default="full,hybrid,tiers")
-    parser.add_argument("--peers-dir", type=Path, default=DEFAULT_PEERS)
     args = parser.parse_args()
-    workload = load_workload_module(args.peers_dir)
-    prefix = workload.make_prefix_workload(seed=0, num_requests=args.num_requests)
     policies = ["lru", *args.policies.split(",")]
+    runs = cycle_variants(args, {policy: {"eviction_policy": policy} for policy in policies})
     results = {}
-    for layout in args.layouts.split(","):
-        times: dict[str, list[float]] = {policy: [] for policy in policies}
-        hits: dict[str, int] = {}
-        for _ in range(args.runs):
-            for policy in policies:
-                result = scheduler_cycle(
-                    prefix.requests,
-                    layout,
-                    workload.PREFIX_POOL_BLOCKS,
-                    workload.MAX_BATCH,
-                    prefix.params["decode_len"],
-                    eviction_policy=policy,
-                )
-                times[policy].append(result["us_per_step_per_request"])
-                hits[policy] = result["prefix_hit_tokens"]
-        lru = statistics.median(times["lru"])
+    for layout, by_policy in runs.items():
+        medians = {
+            policy: statistics.median(r["us_per_step_per_request"] for r in by_policy[policy])
+            for policy in policies
+        }
         results[layout] = {
             policy: {
-                "us": statistics.median(times[policy]),
-                "ratio": statistics.median(times[policy]) / lru,
-                "prefix_hit_tokens": hits[policy],
+                "us": medians[policy],
+                "ratio": medians[policy] / medians["lru"],
+                "prefix_hit_tokens": by_policy[policy][-1]["prefix_hit_tokens"],
             }
             for policy in policies
         }

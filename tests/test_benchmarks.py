@@ -38,3 +38,24 @@ def test_bench_manager_runs_the_peer_workloads_and_hits_like_vllm():
         # prompt token (a pool of 32,768 blocks evicts nothing for 24 requests).
         assert result["prefix_hit_tokens"] == requests.ideal_hit_tokens() > 0
     assert report["b_tiers"]["slots_per_level"] == [[32768], [32768], [65536]]
+
+
+@pytest.mark.skipif(not (PEERS / "workload.py").is_file(), reason="needs ../shared/bench/peers")
+@pytest.mark.parametrize(
+    ("script", "extra", "key"),
+    [("bench_policy.py", ["--policies", "hazard,lfu"], "hazard"), ("bench_events.py", [], "on_us")],
+)
+def test_the_variant_benchmarks_run_each_variant_on_workload_b(script, extra, key):
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / script),
+        *("--runs", "1", "--num-requests", "24", "--layouts", "full", *extra),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    full = json.loads(done.stdout)["full"]
+    assert key in full and "(b) full" in done.stderr
+    if script == "bench_policy.py":  # the same hits under every policy (nothing is evicted)
+        assert {figures["prefix_hit_tokens"] for figures in full.values()} == {
+            full["lru"]["prefix_hit_tokens"]
+        }
+        assert full["lru"]["ratio"] == 1.0
