@@ -61,8 +61,7 @@ TIE_BREAK = 0.05  # the weight of the discounted expected reuse in a hazard scor
 def use_class(block: Block) -> int:
     """A block's class: how many requests used it while it was remembered, up to CLASSES (0:
     never counted, e.g. a block from the remote tier: LRU)."""
-    uses = block.uses
-    return uses if uses < CLASSES else CLASSES
+    return min(block.uses, CLASSES)
 
 
 class EvictionPolicy:
@@ -186,16 +185,13 @@ class HazardPolicy(EvictionPolicy):
     def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None], now: float) -> None:
         if not self.width:
             return
-        ghosts, started, width, last_bin = self.ghosts, self.started, self.width, self.bins - 1
+        ghosts = self.ghosts
         for block in blocks:
             if not block.in_tree:  # a candidate from now on, as a ghost
-                uses = block.uses
                 if not block.candidate:  # (a leaf only since its children went with it)
-                    age_bin = int((now - block.used_at) / width)
-                    started[uses if uses < CLASSES else CLASSES][min(age_bin, last_bin)] += 1
-                else:
-                    block.candidate = False
-                ghosts[hash(block.key)] = (block.used_at, uses)
+                    self._start(block, now)
+                block.candidate = False  # (the ghost carries it)
+                ghosts[hash(block.key)] = (block.used_at, block.uses)
         while len(ghosts) > self.ghost_limit:  # forget the oldest: censored
             used_at, uses = ghosts.popitem(last=False)[1]
             self._count(min(uses, CLASSES), now - used_at, reused=False)
@@ -212,8 +208,7 @@ class HazardPolicy(EvictionPolicy):
     def classify(self, page: Page) -> int:
         if not self.width:
             return 0
-        uses = page.block.uses  # type: ignore[union-attr]  # (queued pages are committed)
-        return uses if uses < CLASSES else CLASSES
+        return use_class(page.block)  # type: ignore[arg-type]  # (queued pages are committed)
 
     def scorer(self) -> Callable[[Page], tuple[float, float]]:
         if not self.width:  # (nothing was classed)
