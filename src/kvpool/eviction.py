@@ -155,7 +155,10 @@ class ClassedQueue(EvictionQueue):
     Push and remove are O(1), taking a page O(classes). A page that is not a leaf when it
     reaches the head of its list waits aside until a child page of it leaves the queue (or is
     picked to go in the same batch: victims are picked as if taken one by one); then it goes
-    back to the head of its list (it was the oldest there)."""
+    back to the head of its list (it was the oldest there). When the policy's scores depend
+    only on a page's class and last use (`policy.scores_by_age`), the leaves after a picked
+    page in its list that were used at the same time (a request's blocks committed in one
+    step) are taken with it, scored once: the choice would be the same for each."""
 
     def __init__(self, policy: EvictionPolicy, classes: int) -> None:
         super().__init__()
@@ -177,8 +180,18 @@ class ClassedQueue(EvictionQueue):
         self._len += 1
 
     def push_all(self, pages: list[Page]) -> None:
-        for page in pages:
-            self.push(page)
+        lists, classed = self._classes, 0
+        for page, klass in zip(pages, self.policy.classify_all(pages), strict=True):
+            if not klass or page.priority != DEFAULT_PRIORITY:
+                super().push(page)
+                continue
+            assert not page.queued, page
+            page.klass = klass
+            lists[klass][page] = None
+            page.queued = True
+            classed += 1
+        self._classed += classed
+        self._len += classed
 
     def remove(self, page: Page) -> None:
         klass = page.klass
@@ -197,9 +210,24 @@ class ClassedQueue(EvictionQueue):
 
     def remove_all(self, pages: list[Page]) -> None:
         """`remove` each page (dropped or moved): their parents' pages may be leaves now."""
+        lists, interior = self._classes, self._interior
+        classed = 0
         for page in pages:
-            self.remove(page)
-        if self._interior:
+            klass = page.klass
+            if not klass:
+                super().remove(page)
+                continue
+            assert page.queued, page
+            if interior and page in interior:
+                del interior[page]
+            else:
+                del lists[klass][page]
+            page.queued = False
+            page.klass = 0
+            classed += 1
+        self._classed -= classed
+        self._len -= classed
+        if interior:
             for page in pages:
                 self._expose_parent(page)
 
@@ -229,81 +257,185 @@ class ClassedQueue(EvictionQueue):
             pages += self._take_classed(count - len(pages))
         return pages
 
-    def _expose_parent(self, page: Page) -> int:
-        """If `page`'s parent page was set aside, back to the head of its list (it was the
-        oldest there); returns its class (0: none)."""
+    def _parent_aside(self, page: Page) -> Page | None:
+        """`page`'s parent page, taken out of the pages set aside if it was there (it may be
+        a leaf now), else None."""
         block = page.block
         parent = block.parent if block is not None else None
         if parent is not None:
             above = parent[page.layer_group]
             if above is not None and above in self._interior:
                 del self._interior[above]
-                pages = self._classes[above.klass]
-                pages[above] = None
-                pages.move_to_end(above, last=False)
-                return above.klass
-        return 0
-
-    def _head(self, klass: int, going: Set[Page]) -> Page | None:
-        """The oldest leaf of class `klass` once the pages `going` are gone (the non-leaves
-        before it set aside)."""
-        pages = self._classes[klass]
-        while pages:
-            page = next(iter(pages))
-            if _is_leaf(page, going):
-                return page
-            del pages[page]
-            self._interior[page] = None
+                return above
         return None
 
+    def _expose_parent(self, page: Page) -> None:
+        """If `page`'s parent page was set aside, back to the head of its list (it was the
+        oldest there)."""
+        above = self._parent_aside(page)
+        if above is not None:
+            pages = self._classes[above.klass]
+            pages[above] = None
+            pages.move_to_end(above, last=False)
+
     def _take_classed(self, count: int) -> list[Page]:
-        """The next `count` classed pages to evict, as the policy scores them (left queued)."""
+        """The next `count` classed pages to evict, as the policy scores them (left queued).
+
+        The lists are only read while the victims are picked: per class a cursor walks its
+        list from the head, and a stack (`fronts`) holds the parents that became leaves in
+        this batch (they come before the cursor's page: they were older). Afterwards
+        `_settle_batch` leaves a list whose cursor only took leaves as it was (its picked
+        pages are its first ones, in order: the usual case) and rearranges the others as if
+        each pick had been taken out and put back at the head."""
+        lists, interior, score = self._classes, self._interior, self.policy.scorer()
+        classes = len(lists)
         pages: list[Page] = []
         going: set[Page] = set()
-        lists, score = self._classes, self.policy.scorer()
-        ranks: dict[int, tuple[float, float]] = {}  # class -> its head's (score, last use)
-        errors: dict[int, float] = {}  # class -> its head's score's uncertainty
-        heads: dict[int, Page] = {}
+        cursors = [iter(pages_of) for pages_of in lists]
+        nexts: list[Page | None] = [next(cursor, None) for cursor in cursors]
+        fronts: list[list[Page]] = [[] for _ in range(classes)]
+        passed: list[list[Page]] = [[] for _ in range(classes)]  # non-leaves a cursor passed
+        touched = [False] * classes  # a cursor passed a non-leaf, or a front page was picked
+        # per class: its head's (score, last use, uncertainty, page), or None
+        heads: list[tuple[float, float, float, Page] | None] = [None] * classes
 
         def refresh(klass: int) -> None:
-            page = self._head(klass, going) if lists[klass] else None
-            if page is None:
-                ranks.pop(klass, None)
-                heads.pop(klass, None)
-            else:
-                value, errors[klass] = score(page)
-                ranks[klass] = (value, page.block.used_at)  # type: ignore[union-attr]
-                heads[klass] = page
+            front = fronts[klass]
+            while front:
+                page = front[-1]
+                if _is_leaf(page, going):
+                    value, error = score(page)
+                    heads[klass] = (value, page.block.used_at, error, page)  # type: ignore[union-attr]
+                    return
+                front.pop()
+                interior[page] = None
+            later = nexts[klass]
+            while later is not None:
+                if _is_leaf(later, going):
+                    value, error = score(later)
+                    heads[klass] = (value, later.block.used_at, error, later)  # type: ignore[union-attr]
+                    return
+                interior[later] = None
+                passed[klass].append(later)
+                touched[klass] = True
+                later = nexts[klass] = next(cursors[klass], None)
+            heads[klass] = None
 
-        for klass in range(1, len(lists)):
+        for klass in range(1, classes):
             refresh(klass)
-        margin = self.policy.margin
+        margin, by_age = self.policy.margin, self.policy.scores_by_age
         try:
-            while len(pages) < count and heads:
-                if len(ranks) > 1:
-                    klass = min(ranks, key=ranks.__getitem__)
-                    oldest = min(ranks, key=lambda other: ranks[other][1])
-                    doubt = margin + errors[oldest] + errors[klass]
-                    if ranks[oldest][0] - ranks[klass][0] <= doubt:  # (not worth leaving LRU)
-                        klass = oldest
-                else:
-                    klass = next(iter(ranks))
-                page = heads[klass]
-                pages.append(page)  # (first: whatever happens, `finally` puts it back)
-                del lists[klass][page]
+            while len(pages) < count:
+                best = oldest = 0
+                chosen = first = None
+                for klass in range(1, classes):
+                    head = heads[klass]
+                    if head is None:
+                        continue
+                    if chosen is None or first is None:
+                        best = oldest = klass
+                        chosen = first = head
+                        continue
+                    if head[0] < chosen[0] or (head[0] == chosen[0] and head[1] < chosen[1]):
+                        best, chosen = klass, head
+                    if head[1] < first[1]:
+                        oldest, first = klass, head
+                if chosen is None or first is None:
+                    break
+                if oldest != best and first[0] - chosen[0] <= margin + first[2] + chosen[2]:
+                    best, chosen = oldest, first  # (not worth leaving LRU's choice)
+                page = chosen[3]
+                pages.append(page)
                 going.add(page)
-                exposed = self._expose_parent(page)  # (a leaf once this one goes)
-                refresh(klass)
-                if exposed and exposed != klass:
-                    refresh(exposed)
-        finally:  # the pages stay queued: back at the heads of their lists, in order
-            for page in reversed(pages):
-                head = lists[page.klass]
-                head[page] = None
-                head.move_to_end(page, last=False)
+                front = fronts[best]
+                if front and front[-1] is page:
+                    front.pop()
+                    touched[best] = True
+                    above = self._parent_aside(page)  # (a leaf once this one goes?)
+                else:
+                    nexts[best] = next(cursors[best], None)
+                    above = self._parent_aside(page)  # (a leaf once this one goes?)
+                    if above is None and by_age:
+                        # The pages after it used at the same time score the same: the same
+                        # choice follows for each, while nothing else changes.
+                        nexts[best], above = self._take_run(
+                            cursors[best], nexts[best], chosen[1], pages, going, count
+                        )
+                if above is not None:
+                    fronts[above.klass].append(above)
+                refresh(best)
+                if above is not None and above.klass != best:
+                    refresh(above.klass)
+        finally:
+            self._settle_batch(pages, fronts, passed, touched)
         if len(pages) < count:  # pages whose children are evictable only after them
             pages += islice(self._interior, count - len(pages))
         return pages
+
+    def _take_run(
+        self,
+        cursor: Iterator[Page],
+        page: Page | None,
+        used_at: float,
+        pages: list[Page],
+        going: set[Page],
+        count: int,
+    ) -> tuple[Page | None, Page | None]:
+        """Add to `pages` (and `going`) `page` and the ones after it in `cursor` while they
+        are leaves last used at `used_at`, up to `count` pages or a parent set aside (which
+        may be a leaf now). Returns the cursor's next page and that parent (or None)."""
+        interior = self._interior
+        while page is not None and len(pages) < count:
+            block = page.block
+            assert block is not None
+            if block.used_at != used_at:
+                break
+            group = page.layer_group
+            kids = block.kids
+            if kids is not None:
+                if isinstance(kids, dict):
+                    if not _is_leaf(page, going):
+                        break
+                elif (kid := kids[group]) is not None and kid not in going:
+                    break
+            pages.append(page)
+            going.add(page)
+            parent = block.parent
+            above = parent[group] if parent is not None else None
+            page = next(cursor, None)
+            if above is not None and interior and above in interior:
+                del interior[above]
+                return page, above
+        return page, None
+
+    def _settle_batch(
+        self,
+        pages: list[Page],
+        fronts: list[list[Page]],
+        passed: list[list[Page]],
+        touched: list[bool],
+    ) -> None:
+        """After picking `pages`: the non-leaves the cursors passed leave their lists (they
+        wait aside); in a class whose cursor passed one, or whose front pages were picked or
+        are left, the parents exposed and not picked go to the head (the latest first), and
+        the picked pages before them, in order."""
+        lists, interior = self._classes, self._interior
+        for klass, aside in enumerate(passed):
+            for page in aside:
+                if page in interior:
+                    del lists[klass][page]
+        for klass, front in enumerate(fronts):
+            if front:
+                touched[klass] = True
+                head = lists[klass]
+                for page in front:
+                    head[page] = None
+                    head.move_to_end(page, last=False)
+        for page in reversed(pages):
+            if touched[page.klass]:
+                head = lists[page.klass]
+                head[page] = None
+                head.move_to_end(page, last=False)
 
     def _num_classed(self) -> int:
         return self._classed

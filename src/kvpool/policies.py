@@ -15,9 +15,12 @@ What a policy sees (each hook O(1) per block it is given):
   parents before that, which may have become leaves).
 What it decides:
 - `classify(page)`: the class of a page queued at the last level (0: the one LRU list);
+  `classify_all(pages)` the same for a batch (one call per released request);
 - `scorer()`: a function scoring pages for the next evictions, (score, uncertainty): of the
   class lists' oldest leaves, the lowest score goes first (ties: the one used longest ago),
-  but LRU's choice stays unless beaten by more than `margin` and both uncertainties.
+  but LRU's choice stays unless beaten by more than `margin` and both uncertainties. A
+  policy whose scores depend only on a page's class and its block's last use says so
+  (`scores_by_age`): the queue then scores a run of pages used at the same time once.
 
 Policies:
 - `lru`: no classes; the queue's own order.
@@ -69,6 +72,9 @@ class EvictionPolicy:
 
     name = "lru"
     margin = 0.0  # a head scoring at most this much below the oldest head does not go first
+    # Whether a page's score depends only on its class and its block's last use (then pages
+    # of a class used at the same time score the same, and the queue takes them in runs).
+    scores_by_age = False
 
     def used(self, blocks: Sequence[Block], now: float) -> None:
         pass
@@ -85,6 +91,10 @@ class EvictionPolicy:
     def classify(self, page: Page) -> int:
         return 0
 
+    def classify_all(self, pages: Sequence[Page]) -> list[int]:
+        """`classify` each page (a policy may do it faster in one go)."""
+        return [self.classify(page) for page in pages]
+
     def scorer(self) -> Callable[[Page], tuple[float, float]]:
         """How likely a classed page is to be wanted (for the next evictions), and how
         uncertain that is (a half-width): the lowest score goes first, ties to the one used
@@ -97,6 +107,7 @@ class HazardPolicy(EvictionPolicy):
     """Reuse hazard by use count and age (module docstring)."""
 
     name = "hazard"
+    scores_by_age = True
     # Leave LRU's choice only for a head at least 2 points of probability less likely to be
     # used within the horizon: smaller differences are mostly noise in the estimate (without
     # this margin the conversation trace at 32,000 blocks ends 0.1% below LRU).
@@ -185,16 +196,26 @@ class HazardPolicy(EvictionPolicy):
     def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None], now: float) -> None:
         if not self.width:
             return
-        ghosts = self.ghosts
+        ghosts, started, width, last_bin = self.ghosts, self.started, self.width, self.bins - 1
         for block in blocks:
             if not block.in_tree:  # a candidate from now on, as a ghost
-                if not block.candidate:  # (a leaf only since its children went with it)
-                    self._start(block, now)
+                uses, used_at = block.uses, block.used_at
+                if not block.candidate:  # (a leaf only since its children went with it): start
+                    age_bin = int((now - used_at) / width)
+                    started[uses if uses < CLASSES else CLASSES][
+                        age_bin if age_bin < last_bin else last_bin
+                    ] += 1
                 block.candidate = False  # (the ghost carries it)
-                ghosts[hash(block.key)] = (block.used_at, block.uses)
-        while len(ghosts) > self.ghost_limit:  # forget the oldest: censored
-            used_at, uses = ghosts.popitem(last=False)[1]
-            self._count(min(uses, CLASSES), now - used_at, reused=False)
+                ghosts[hash(block.key)] = (used_at, uses)
+        excess = len(ghosts) - self.ghost_limit
+        if excess > 0:  # forget the oldest: censored
+            ended, forget = self.ended, ghosts.popitem
+            for _ in range(excess):
+                used_at, uses = forget(last=False)[1]
+                age_bin = int((now - used_at) / width)
+                ended[uses if uses < CLASSES else CLASSES][
+                    age_bin if age_bin < last_bin else last_bin
+                ] += 1
         for parent in parents:
             if (
                 parent is not None
@@ -209,6 +230,14 @@ class HazardPolicy(EvictionPolicy):
         if not self.width:
             return 0
         return use_class(page.block)  # type: ignore[arg-type]  # (queued pages are committed)
+
+    def classify_all(self, pages: Sequence[Page]) -> list[int]:
+        if not self.width:
+            return [0] * len(pages)
+        return [
+            uses if (uses := page.block.uses) < CLASSES else CLASSES  # type: ignore[union-attr]
+            for page in pages
+        ]
 
     def scorer(self) -> Callable[[Page], tuple[float, float]]:
         if not self.width:  # (nothing was classed)
@@ -308,6 +337,9 @@ class LfuPolicy(HazardPolicy):
 
     def classify(self, page: Page) -> int:
         return use_class(page.block) if page.block is not None else 0
+
+    def classify_all(self, pages: Sequence[Page]) -> list[int]:
+        return [self.classify(page) for page in pages]
 
     def scorer(self) -> Callable[[Page], tuple[float, float]]:
         return lambda page: (page.klass, 0.0)
