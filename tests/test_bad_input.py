@@ -175,6 +175,25 @@ def entry_points(m, active, suspended):
             [NEGATIVE, FLOAT, NAN, BOOL, STR, OBJECT],
         ),
         ("commit", "tokens", active.commit, TOKENS_BAD),
+        (
+            "prepare_write",
+            "begin",
+            lambda v: active.prepare_write(v, active.capacity),
+            [NEGATIVE, HUGE, FLOAT, NAN, BOOL, NONE, STR, OBJECT],
+        ),
+        (
+            "prepare_write",
+            "end",
+            lambda v: active.prepare_write(active.num_committed_tokens, v),
+            [NEGATIVE, HUGE, FLOAT, NAN, BOOL, NONE, STR, OBJECT],
+        ),
+        ("fork_kv_cache", "cache", m.fork_kv_cache, [NONE, STR, OBJECT, 5]),
+        (
+            "fork_kv_cache",
+            "id",
+            lambda v: m.fork_kv_cache(active, v),
+            [FLOAT, BOOL, STR, OBJECT, active.id],
+        ),
         ("prefetch", "level", suspended.prefetch, INDEX_BAD),
         ("get_base_page_indices", "layer_group_id", active.get_base_page_indices, INDEX_BAD),
         (
@@ -222,6 +241,7 @@ def test_calls_after_close_and_shutdown_are_logic_errors(setup):
         ("resize", lambda: active.resize(40)),
         ("commit", lambda: active.commit([1])),
         ("stop_committing", active.stop_committing),
+        ("prepare_write", lambda: active.prepare_write(0, 0)),
         ("prefetch", lambda: active.prefetch(1)),
         ("get_base_page_indices", lambda: active.get_base_page_indices(0)),
         ("get_page_indices", lambda: active.get_page_indices(0, "k")),
@@ -237,6 +257,7 @@ def test_calls_after_close_and_shutdown_are_logic_errors(setup):
     m.shutdown()
     for call in [
         m.create_kv_cache,
+        lambda: m.fork_kv_cache(suspended),
         lambda: m.probe_reuse(None, [1]),
         lambda: m.get_quota(0),
         lambda: m.resize(0, 2 * MiB),

@@ -20,6 +20,7 @@ given (e.g. `model_name`), plus its own:
 | kvpool:swapped_pages | counter | | pages brought up through RAM |
 | kvpool:copy_bytes, kvpool:copy_seconds | counter | | page-move copies (bandwidth: rate of both) |
 | kvpool:suspensions, kvpool:resumes, kvpool:failed_resumes | counter | | |
+| kvpool:forks, kvpool:copy_on_write_pages | counter | | forked requests; shared pages copied before a write |
 | kvpool:rebalances, kvpool:rebalance_bytes | counter | | re-splits and the bytes they moved |
 | kvpool:rebalance_duration_seconds | histogram | | |
 | kvpool:call_duration_seconds | histogram | call | after `manager.time_calls()` |
@@ -137,6 +138,10 @@ class PrometheusMetrics:
         yield counter("suspensions", "suspend() calls", stats.suspensions)
         yield counter("resumes", "resume() calls that resumed", stats.resumes)
         yield counter("failed_resumes", "resume() calls that found no room", stats.failed_resumes)
+        yield counter("forks", "requests forked from another", stats.forks)
+        yield counter(
+            "copy_on_write_pages", "shared pages copied before a write", stats.copy_on_write_pages
+        )
         yield counter("rebalances", "re-splits of a level", stats.rebalances)
         yield counter("rebalance_bytes", "bytes re-splits moved", stats.rebalance_bytes)
         family = HistogramMetricFamily(

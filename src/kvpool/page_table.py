@@ -88,6 +88,13 @@ class PageTable:
         self.tables[g] = grown
         return grown
 
+    def copy_from(self, other: PageTable) -> None:
+        """Take `other`'s pages and slot ids (a fork of its request)."""
+        for g, pages in enumerate(other.pages):
+            self.pages[g][:] = pages
+            self.tables[g] = other.tables[g].copy()
+        self.version += 1
+
     def refresh(self) -> None:
         """Rewrite the slot ids from the pages (they change when pages move)."""
         for g, pages in enumerate(self.pages):

@@ -47,6 +47,8 @@ class Counters:
     suspensions: int = 0
     resumes: int = 0  # resume() calls that returned True (from SUSPENDED)
     failed_resumes: int = 0
+    forks: int = 0  # fork_kv_cache calls
+    copy_on_write_pages: int = 0  # shared pages copied by prepare_write
     rebalances: int = 0  # adjust_cache_level calls carried out (by adjust() or the engine)
     rebalance_bytes: int = 0  # bytes they moved (inside the level or down)
     rebalance_seconds: LatencyHistogram = field(default_factory=LatencyHistogram)
@@ -90,6 +92,8 @@ class ManagerStats:
     suspensions: int
     resumes: int
     failed_resumes: int
+    forks: int  # requests forked from another (fork_kv_cache)
+    copy_on_write_pages: int  # pages a fork shared, copied before a write (prepare_write)
     rebalances: int
     rebalance_bytes: int
     rebalance_seconds: LatencyHistogram

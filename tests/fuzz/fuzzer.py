@@ -253,6 +253,31 @@ class Run:
         request.published = reused
         self.stats["creates"] += 1
 
+    def op_fork(self, index: int, tail_seed: int, tail: int) -> None:
+        """Fork an active request (a beam): it shares the history, then goes on with tokens of
+        its own."""
+        parent = self._live(index)
+        if parent is None or parent.cache.status is not KVCacheStatus.ACTIVE:
+            self.requests.append(None)  # (its number stays taken)
+            return
+        cache = self._storage_failure(
+            lambda: self._expect_no_change(
+                lambda: self.manager.fork_kv_cache(parent.cache), OutOfPagesError
+            )
+        )[1]
+        if cache is None or isinstance(cache, BaseException):
+            self.requests.append(None)
+            return
+        rng = random.Random(tail_seed)
+        shared = parent.tokens[: cache.history_length]
+        tokens = shared + [rng.randrange(1 << 31) for _ in range(tail)]
+        chain = chain_hashes(parent.scope, tokens)
+        request = Request(tokens, parent.scope, cache, chain, callback=parent.callback)
+        request.published = cache.num_committed_tokens  # (the parent's, already in the model)
+        self.open_requests[len(self.requests)] = request
+        self.requests.append(request)
+        self.stats["forks"] += 1
+
     def _expect_no_change(self, call: Callable[[], Any], *errors: type[BaseException]) -> Any:
         """Run `call`; if it returns False or raises one of `errors`, nothing may have changed."""
         before = state_of(self.manager)
@@ -330,6 +355,12 @@ class Run:
             self.stats["resize refused" if not failed else "resize failed"] += 1
             return
         assert cache.capacity == start + len(new) and cache.history_length == start
+        failed, private = self._storage_failure(
+            lambda: self._expect_no_change(lambda: cache.prepare_write(start, start + len(new)))
+        )
+        if failed or not private:  # a page shared with a fork could not be copied
+            self.stats["copy-on-write refused" if not failed else "copy-on-write failed"] += 1
+            return
         self.engine.write(cache, new, start)
         if not self._call_with_callback(request, lambda: cache.commit(new)):
             # An injected interrupt: nothing was committed, the next step redoes it. An engine's
@@ -510,12 +541,13 @@ class Run:
 OP_WEIGHTS = {
     "create": 5,
     "resume": 10,
-    "step": 40,
+    "step": 45,
     "grow": 4,
     "suspend": 6,
     "preempt": 2,
     "prefetch": 3,
     "close": 6,
+    "fork": 2,
     "stop": 1,
     "clear": 1,
     "quota": 1,
@@ -534,7 +566,7 @@ def generate(rng: random.Random, run: Run) -> Op:
     live = [i for i in list(run.open_requests) if run._live(i) is not None]
     active = [i for i in live if run.requests[i].cache.status is KVCacheStatus.ACTIVE]  # type: ignore[union-attr]
     suspended = [i for i in live if i not in active]
-    if name in ("step", "grow") and not active:
+    if name in ("step", "grow", "fork") and not active:
         name = "resume"
     if name in ("resume", "prefetch") and not suspended:
         name = "create"
@@ -563,6 +595,10 @@ def generate(rng: random.Random, run: Run) -> Op:
         return ["step", index, rng.choice([1, 1, 1, 2, 3, 4, 7, 13, 30])]
     if name == "grow":
         return ["grow", rng.choice(active), rng.choice([-6, -1, 1, 4, 9])]
+    if name == "fork":
+        if len(live) >= 10:
+            return ["close", rng.choice(live)]
+        return ["fork", rng.choice(active), rng.randrange(1 << 30), rng.choice([1, 3, 9, 30])]
     if name in ("resume", "prefetch"):
         index = rng.choice(suspended)
         return ["resume", index] if name == "resume" else ["prefetch", index, rng.randrange(2)]
@@ -626,6 +662,7 @@ def fuzz(layout: str, seed: int, num_ops: int) -> Counter[str]:
             learned = int(getattr(policy, "width", 0) > 0)  # (the hazard policy classes pages)
             moved, dropped = sum(counters.num_moved), counters.num_dropped
             swapped, relocated = counters.num_swapped, counters.num_relocated
+            copied = run.manager.stats().copy_on_write_pages
             run.close()
         except BaseException as error:
             raise FuzzFailure(layout, seed, ops, error) from error
@@ -635,6 +672,7 @@ def fuzz(layout: str, seed: int, num_ops: int) -> Counter[str]:
         stats["pages dropped"] = dropped
         stats["pages swapped"] = swapped
         stats["pages relocated"] = relocated
+        stats["pages copied on write"] = copied
         stats["records checked"] = run.engine.records_checked
         stats["eviction policy learned"] = learned
         return stats
@@ -654,9 +692,12 @@ def _signature(error: BaseException) -> str:
     return f"{type(error).__name__}: {re.split(r'[0-9]', str(error), maxsplit=1)[0][:60]}"
 
 
+MAKERS = ("create", "void", "fork")  # operations that make a request (by creation order)
+
+
 def _request_of(op: Op) -> int | None:
-    """The request an operation is about (by creation order), or None."""
-    if op[0] in ("resume", "suspend", "step", "grow", "stop", "close", "prefetch"):
+    """The request an operation is about (by creation order; a fork's parent), or None."""
+    if op[0] in ("resume", "suspend", "step", "grow", "stop", "close", "prefetch", "fork"):
         return int(op[1])
     return None
 
@@ -672,17 +713,19 @@ def shrink(
     deadline = time.monotonic() + seconds
 
     def without(ops: list[Op], dropped: set[int]) -> list[Op]:
-        kept, request = [], -1
+        kept, request, dropped = [], -1, set(dropped)
         for op in ops:
-            if op[0] in ("create", "void"):
+            if op[0] in MAKERS:
                 request += 1
+                if op[0] == "fork" and op[1] in dropped:
+                    dropped.add(request)  # (a fork of a dropped request goes with it)
                 kept.append(["void"] if request in dropped else op)
             elif _request_of(op) not in dropped:
                 kept.append(op)
         return kept
 
     for reduce in ("requests", "operations"):
-        items = list(range(sum(op[0] in ("create", "void") for op in ops)))
+        items = list(range(sum(op[0] in MAKERS for op in ops)))
         if reduce == "operations":
             items = list(range(len(ops)))
         chunk = max(1, len(items) // 2)
@@ -712,9 +755,9 @@ def _renumber(ops: list[Op]) -> list[Op]:
     number: dict[int, int] = {}
     request = -1
     for op in ops:
-        if op[0] in ("create", "void"):
+        if op[0] in MAKERS:
             request += 1
-            if op[0] == "create":
+            if op[0] != "void":
                 number[request] = len(number)
     return [
         [op[0], number[op[1]], *op[2:]] if _request_of(op) is not None else op

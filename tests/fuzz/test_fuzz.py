@@ -3,6 +3,7 @@ and checks that the fuzzer itself catches bugs and shrinks them to a replayable 
 
 import pytest
 
+from kvpool.cache import KVCache
 from kvpool.storage.copier import Copier
 from kvpool.tiers import StorageManager
 from tests.fuzz.fuzzer import LAYOUTS, FuzzFailure, fuzz, replay, save, shrink
@@ -23,9 +24,11 @@ def test_fuzz(layout, request, tmp_path):
         )
     # The run reached what it claims to test.
     assert stats["ops"] == ops
-    assert stats["tokens computed"] > ops and stats["records checked"] > 100 * ops
+    # (a tight GPU full of forks and suspended requests refuses some steps)
+    assert stats["tokens computed"] > ops // 2 and stats["records checked"] > 100 * ops
     assert stats["reused tokens"] > 0 and stats["resumes"] > 0 and stats["closes"] > 0
     assert stats["pages dropped"] > 0
+    assert stats["forks"] > 0 and stats["pages copied on write"] > 0
     assert stats["eviction policy learned"] == (layout != "lru-policy")
     if layout != "gpu":
         assert stats["pages moved between levels"] > 0
@@ -53,8 +56,9 @@ def _lossy_copy(real):
     [
         (StorageManager, "set_priority", lambda real: _buggy_set_priority),
         (Copier, "copy", _lossy_copy),
+        (KVCache, "prepare_write", lambda real: lambda self, begin, end: True),
     ],
-    ids=["priority-outside-the-queue", "lost-page-copy"],
+    ids=["priority-outside-the-queue", "lost-page-copy", "no-copy-on-write"],
 )
 def test_fuzzer_catches_a_planted_bug_and_shrinks_it(monkeypatch, tmp_path, target, name, make_bug):
     monkeypatch.setattr(target, name, make_bug(getattr(target, name)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvpool.cache.forking import Forking
 from kvpool.cache.growth import Growth
 from kvpool.cache.remote_loading import RemoteLoading
 from kvpool.cache.state import GPU_LEVEL, KVCacheStatus
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from kvpool.tiers import Staged
 
 
-class KVCache(Growth, RemoteLoading):
+class KVCache(Growth, RemoteLoading, Forking):
     """One request's KV cache. Created SUSPENDED by `KVCacheManager.create_kv_cache`."""
 
     def resume(self) -> bool:

@@ -373,6 +373,8 @@ class ManagerCore:
             suspensions=counters.suspensions,
             resumes=counters.resumes,
             failed_resumes=counters.failed_resumes,
+            forks=counters.forks,
+            copy_on_write_pages=counters.copy_on_write_pages,
             rebalances=counters.rebalances,
             rebalance_bytes=counters.rebalance_bytes,
             rebalance_seconds=counters.rebalance_seconds.copy(),

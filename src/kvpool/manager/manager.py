@@ -42,14 +42,7 @@ class KVCacheManager(Rebalancing):
         self._require_open()
         started = time.perf_counter()
         scope_key = root_key(reuse_scope)
-        if id is None:
-            id = next(self._ids)
-            while id in self._living:
-                id = next(self._ids)
-        elif type(id) is not int:
-            fail("id", id, "an int or None")
-        elif id in self._living:
-            raise ArgumentError(f"id={id} is invalid: must not be the id of an open KV cache")
+        id = self._new_id(id)
         check_callable("priority_callback", priority_callback)
         check_bool("exclude_from_stats", exclude_from_stats)
         tokens = [] if input_tokens is None else token_list("input_tokens", input_tokens)
@@ -76,6 +69,39 @@ class KVCacheManager(Rebalancing):
         if counters.calls is not None:
             self._observe("create_kv_cache", started)
         return cache
+
+    def fork_kv_cache(self, cache: KVCache, id: int | None = None) -> KVCache:
+        """A new ACTIVE request continuing `cache`'s history (ACTIVE, of this manager): the
+        same lengths and committed tokens, every page shared (beam search, several samples of
+        one prompt). Before either writes KV, `prepare_write` copies the page it writes into
+        if it is shared (copy-on-write): full blocks stay shared. Forks must commit the same
+        tokens for the positions they shared (`kvpool.cache.forking`). `OutOfPagesError` when
+        no slot is left for an SSM state's copy, with nothing changed."""
+        self._require_open()
+        if not isinstance(cache, KVCache) or self._living.get(cache.id) is not cache:
+            fail("cache", cache, "an open KV cache of this manager")
+        id = self._new_id(id)
+        child = self._cache_class(
+            self._context, id, cache._scope_key, cache._priority_callback, cache.exclude_from_stats
+        )
+        cache._fork_into(child)
+        if self._storage.events is not None:
+            self._storage.events.append(("fork", cache.id, id))
+        self._living[id] = child
+        self._after_call()
+        return child
+
+    def _new_id(self, id: int | None) -> int:
+        """`id` checked, or the next free one."""
+        if id is None:
+            id = next(self._ids)
+            while id in self._living:
+                id = next(self._ids)
+        elif type(id) is not int:
+            fail("id", id, "an int or None")
+        elif id in self._living:
+            raise ArgumentError(f"id={id} is invalid: must not be the id of an open KV cache")
+        return id
 
     def _count_hits(self, cache: KVCache, reused: int) -> None:
         """Reused tokens by the level they are served from: a block counts at the coldest of
