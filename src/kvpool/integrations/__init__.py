@@ -1,0 +1,1 @@
+"""kvpool inside other libraries: `kvpool.integrations.transformers` (extra `transformers`)."""

@@ -1,0 +1,609 @@
+"""kvpool as a Hugging Face transformers `Cache`: `model.generate()` keeps its keys and values in
+kvpool's pages, reuses prefixes across calls, spills to host and disk between calls, and forks
+beams with copy-on-write.
+
+    manager = KVCacheManager(manager_config(model, gpu_quota=256 << 20))
+    cache = KVPoolCache(model, manager)
+    out = generate(model, cache, **tokenizer(prompts, return_tensors="pt", padding=True))
+    # the next turn: only the tokens past the longest cached prefix are computed
+    out = generate(model, cache, **tokenizer(next_prompts, return_tensors="pt", padding=True))
+
+How it fits transformers' contract (5.x, `cache_utils.py`):
+- One `KVPoolLayer` per model layer; each batch row is one kvpool request (`KVCache`). A
+  layer's `update` writes the new K/V into the rows' pages (the first layer of a forward pass
+  reserves the pages for every layer) and returns what attention needs: the rows' K/V gathered
+  from the pages into [batch, kv heads, length, head dim] (a sliding layer: its window), or,
+  with the `"kvpool"` attention implementation (`ATTENTION`), nothing gathered at all: that
+  attention reads the pages through the page tables, block by block.
+- `update` never sees token ids, so the cache is given them around a call: `prepare(input_ids,
+  attention_mask)` looks every row's prompt up in kvpool's prefix tree and holds the longest
+  prefix all rows can use in one forward pass (the columns before it are cached for every row,
+  counting left padding); `get_seq_length()` then says so, and `generate` computes only the
+  rest. `finish(sequences)` commits what was computed (prompt and output; after beam search,
+  only the prompt: the beams' histories are not the returned sequences) and closes the rows,
+  so the blocks stay reusable. `generate()` does both around `model.generate`.
+- Left padding only: a row's leading padding columns hold no KV (they are masked); real tokens
+  keep their own positions, so the KV reused by another call is the same whatever the padding.
+- `batch_repeat_interleave`, `reorder_cache` and `batch_select_indices` fork rows
+  (`KVCacheManager.fork_kv_cache`): a repeated or chosen-twice row shares every page, and a page
+  is copied only when a beam writes into a shared partial block (`KVCache.prepare_write`).
+- `crop(-n)` forgets the last n tokens of the last forward pass (assisted decoding); `reset()`
+  closes every row.
+
+Supported: decoder-only models whose layers are full or sliding-window attention with one K and
+one V per layer, as `manager_config_from_hf` lays them out (Llama, Mistral, Qwen2/3, Gemma 1/2/3,
+SmolLM, ...). Anything else is refused by name when the cache is built.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.modeling_utils import AttentionInterface
+
+from kvpool.cache import KVCache, KVCacheStatus
+from kvpool.config import CacheTierConfig, KVCacheManagerConfig, ReuseScope
+from kvpool.engine.model import manager_config_from_hf
+from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
+from kvpool.manager import KVCacheManager
+from kvpool.validation import check_int
+
+SUPPORTED = ((5, 24), (6, 0))  # transformers versions: [5.24, 6)
+ATTENTION = "kvpool"  # the attention implementation that reads pages directly
+CHUNK_BLOCKS = 64  # blocks per step of the paged attention's online softmax
+
+_version = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+if not SUPPORTED[0] <= _version < SUPPORTED[1]:
+    raise ImportError(
+        f"kvpool.integrations.transformers supports transformers >= 5.24, < 6; "
+        f"{transformers.__version__} is installed (pip install 'kvpool[transformers]')"
+    )
+
+
+def manager_config(
+    model: Any,
+    gpu_quota: int,
+    more_tiers: list[CacheTierConfig] | None = None,
+    tokens_per_block: int = 16,
+    **options: Any,
+) -> KVCacheManagerConfig:
+    """A manager config for `model` (its config and dtype): K and V pages per layer, the
+    model's sliding windows. `more_tiers`: host and disk levels below the GPU."""
+    return manager_config_from_hf(
+        model.config, tokens_per_block, gpu_quota, more_tiers, dtype=model.dtype, **options
+    )
+
+
+class KVPoolLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
+    """One model layer's view of a `KVPoolCache`: how many columns it holds, and its window.
+    Its keys and values live in kvpool's pages (`keys`/`values` stay None)."""
+
+    is_croppable = True
+
+    def __init__(self, cache: KVPoolCache, layer_idx: int, window: int | None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.window = window
+        self.is_sliding = window is not None
+        self.length = 0  # columns written (left padding included), as in transformers' layers
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.cache.check_states(self.layer_idx, key_states, value_states)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.cache.write_and_read(self, key_states, value_states)
+
+    def first_visible(self) -> int:
+        """The first column attention still sees (a sliding window's start)."""
+        if self.window is None:
+            return 0
+        return max(self.length - self.window + 1, 0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        offset = self.first_visible()
+        return self.length + query_length - offset, offset
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1 if self.window is None else self.window
+
+    # Row operations act on the cache's rows once, through `KVPoolCache`; per layer only the
+    # length changes.
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.cache.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.cache.batch_select_indices(indices)
+
+
+class KVPoolCache(Cache):
+    """A transformers `Cache` whose K/V live in `manager`'s pages (module docstring).
+    `reuse_scope` isolates prefix reuse (a LoRA adapter, a tenant's salt)."""
+
+    def __init__(
+        self, model: Any, manager: KVCacheManager, reuse_scope: ReuseScope | None = None
+    ) -> None:
+        config = getattr(model, "config", model).get_text_config(decoder=True)
+        self.config = config
+        self.manager = manager
+        self.reuse_scope = reuse_scope
+        self.tpb = manager.tokens_per_block
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        layout = manager.layout
+        layers: list[KVPoolLayer] = []
+        for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
+            if kind not in ("full_attention", "sliding_attention"):
+                raise ArgumentError(
+                    f"layer_types[{index}]={kind!r} is invalid: must be 'full_attention' or "
+                    "'sliding_attention' (kvpool's transformers cache holds attention K/V only)"
+                )
+            try:
+                keys, values = layout.placement(index, "k"), layout.placement(index, "v")
+            except ArgumentError:
+                raise ArgumentError(
+                    f"manager is invalid for this model: it has no 'k' and 'v' buffers for layer "
+                    f"{index} (build it with kvpool.integrations.transformers.manager_config)"
+                ) from None
+            life_cycle = layout.life_cycles[keys.layer_group]
+            window = getattr(life_cycle, "window", None)
+            wanted = kwargs.get("sliding_window") if kind == "sliding_attention" else None
+            if window is not None and window != wanted:
+                raise ArgumentError(
+                    f"manager is invalid for this model: layer {index} keeps a window of {window} "
+                    f"tokens, the model attends to {wanted or 'all of them'}"
+                )
+            if keys.size != values.size:
+                raise ArgumentError(f"manager is invalid: layer {index}'s k and v sizes differ")
+            layers.append(KVPoolLayer(self, index, window))
+        super().__init__(layers=list(layers))
+        self.kv_layers = layers  # (the same objects as `layers`, typed)
+        self.rows: list[KVCache] = []
+        self.pads: list[int] = []  # leading padding columns per row
+        self.prompts: list[list[int]] = []  # the prompts' tokens (without padding)
+        self.sources: list[int] = []  # per row: its prompt
+        self.reordered = False  # rows were chosen among beams: their histories are not outputs
+        self.reserved = 0  # columns the rows have pages for
+        self.floor = 0  # columns below which nothing may be cropped (kvpool's history)
+        self._tables: dict[tuple[int, str], torch.Tensor] = {}  # per (layer, role): rows' pages
+        self._pools: dict[tuple[int, str], torch.Tensor] = {}
+        self._token_bytes: int | None = None
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        input_ids: torch.Tensor | Sequence[Sequence[int]],
+        attention_mask: torch.Tensor | Sequence[Sequence[int]] | None = None,
+        expand: int = 1,
+    ) -> int:
+        """Open one row per prompt (left padding only) holding the longest prefix that every
+        row has cached, in columns: `get_seq_length()` returns it and `generate` computes only
+        the columns after it (at least the last one). `expand`: rows per prompt, as
+        `max(num_beams, num_return_sequences)` makes them (forks, sharing every page). Returns
+        the cached columns."""
+        if self.rows:
+            raise LogicError("KVPoolCache.prepare() with rows still open: call finish() first")
+        ids = torch.as_tensor(input_ids)
+        if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+            raise ArgumentError(
+                f"input_ids={tuple(ids.shape)} is invalid: must be [batch >= 1, length >= 1]"
+            )
+        mask = torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)
+        if mask.shape != ids.shape:
+            raise ArgumentError(
+                f"attention_mask={tuple(mask.shape)} is invalid: must match input_ids "
+                f"{tuple(ids.shape)}"
+            )
+        check_int("expand", expand, 1)
+        length = ids.shape[1]
+        pads, prompts = [], []
+        for number in range(ids.shape[0]):
+            real = int(mask[number].sum())
+            pad = length - real
+            if real < 1 or not bool(mask[number, pad:].all()):
+                raise ArgumentError(
+                    f"attention_mask[{number}] is invalid: must be left padding (zeros, then at least "
+                    "one 1, then only 1s): tokenize with padding_side='left'"
+                )
+            pads.append(pad)
+            prompts.append([int(token) for token in ids[number, pad:].tolist()])
+        manager, scope = self.manager, self.reuse_scope
+        # The prefix every row can use: columns before it are padding or cached for each row.
+        cached = min(
+            [length - 1]
+            + [
+                pad + manager.probe_reuse(scope, p[:-1])
+                for pad, p in zip(pads, prompts, strict=True)
+            ]
+        )
+        while True:  # (holding one row's prefix cannot shorten another's, but check)
+            rows = [
+                manager.create_kv_cache(scope, p[: max(cached - pad, 0)])
+                for pad, p in zip(pads, prompts, strict=True)
+            ]
+            got = min(
+                [cached]
+                + [
+                    pad + row.num_committed_tokens
+                    for pad, row in zip(pads, rows, strict=True)
+                    if row.num_committed_tokens < cached - pad
+                ]
+            )
+            if got == cached:
+                break
+            for row in rows:
+                row.close()
+            cached = got
+        try:
+            for index, row in enumerate(rows):
+                if not row.resume():
+                    raise OutOfPagesError(
+                        f"kvpool has no room on the GPU level to resume row {index} "
+                        f"({row.num_committed_tokens} cached tokens)"
+                    )
+        except BaseException:
+            for row in rows:
+                row.close()
+            raise
+        self.rows, self.pads, self.prompts = rows, pads, prompts
+        self.sources = list(range(len(rows)))
+        self.reordered = False
+        self.reserved = self.floor = cached
+        for layer in self.kv_layers:
+            layer.length = cached
+        if expand > 1:
+            self.batch_repeat_interleave(expand)
+        return cached
+
+    def finish(self, sequences: torch.Tensor | Sequence[Sequence[int]] | None = None) -> None:
+        """Commit what the rows computed and close them (their blocks stay cached for reuse).
+        `sequences` (what `generate` returned, prompt included) are committed up to the last
+        token whose KV was computed; without them, or after beam search reordered the rows,
+        only the prompts are."""
+        try:
+            if self.rows:
+                self._commit(sequences)
+        finally:
+            self.reset()
+
+    def _commit(self, sequences: torch.Tensor | Sequence[Sequence[int]] | None) -> None:
+        columns = self.kv_layers[0].length
+        outputs = None
+        if sequences is not None and not self.reordered:
+            outputs = torch.as_tensor(sequences)
+            if outputs.ndim != 2 or outputs.shape[0] != len(self.rows):
+                raise ArgumentError(
+                    f"sequences={tuple(outputs.shape)} is invalid: must be [{len(self.rows)}, "
+                    "length] (one per row)"
+                )
+        for index, (row, pad) in enumerate(zip(self.rows, self.pads, strict=True)):
+            if row.status is not KVCacheStatus.ACTIVE:
+                continue
+            if outputs is not None:
+                tokens = [int(t) for t in outputs[index, pad:].tolist()]
+            else:
+                tokens = self.prompts[self.sources[index]]
+            written = min(columns - pad, len(tokens))
+            if written > row.num_committed_tokens:
+                row.commit(tokens[row.num_committed_tokens : written])
+
+    def reset(self) -> None:
+        """Close every row (nothing is committed) and empty the layers."""
+        for row in self.rows:
+            row.close()
+        self.rows, self.pads, self.prompts, self.sources = [], [], [], []
+        self.reordered = False
+        self.reserved = self.floor = 0
+        self._tables.clear()
+        self._pools.clear()
+        for layer in self.kv_layers:
+            layer.reset()
+
+    def _take_rows(self, picks: Sequence[int]) -> None:
+        """New rows: row i continues old row picks[i] (the old row itself the first time it is
+        picked, a fork sharing its pages after that); rows not picked are closed."""
+        old, old_pads = self.rows, self.pads
+        if any(not 0 <= pick < len(old) for pick in picks):
+            raise ArgumentError(f"indices={list(picks)} is invalid: must be in [0, {len(old)})")
+        taken: set[int] = set()
+        rows = []
+        for pick in picks:
+            if pick in taken:
+                rows.append(self.manager.fork_kv_cache(old[pick]))
+            else:
+                taken.add(pick)
+                rows.append(old[pick])
+        for index, row in enumerate(old):
+            if index not in taken:
+                row.close()
+        self.rows = rows
+        self.pads = [old_pads[pick] for pick in picks]
+        self.sources = [self.sources[pick] for pick in picks]
+        self.reserved = min(layer.length for layer in self.kv_layers)
+        self._tables.clear()  # (the next write reserves again: forks copy what they write)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row `repeats` times in a row (forks sharing its pages)."""
+        check_int("repeats", repeats, 1)
+        self._take_rows([index for index in range(len(self.rows)) for _ in range(repeats)])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues row beam_idx[i]."""
+        picks = [int(i) for i in beam_idx.tolist()]
+        if picks != list(range(len(self.rows))):
+            self.reordered = True
+            self._take_rows(picks)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices` (in that order)."""
+        self.reordered = True
+        self._take_rows([int(i) for i in torch.as_tensor(indices).tolist()])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last `-tokens_to_remove` columns (transformers' convention: a negative
+        count), at most back to the start of the last forward pass."""
+        if tokens_to_remove > 0:
+            raise ArgumentError(
+                f"tokens_to_remove={tokens_to_remove} is invalid: must be <= 0 (the number of "
+                "tokens to remove, negated)"
+            )
+        columns = self.kv_layers[0].length + tokens_to_remove
+        if columns < self.floor:
+            raise ArgumentError(
+                f"tokens_to_remove={tokens_to_remove} is invalid: must be >= "
+                f"{self.floor - self.kv_layers[0].length} (kvpool keeps no KV to go back "
+                "further than the last forward pass)"
+            )
+        for layer in self.kv_layers:
+            layer.length = min(layer.length, columns)
+
+    # -- K/V -------------------------------------------------------------------------------------
+
+    def check_states(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The model's K/V fit the manager's pages (heads x head dim x dtype per token)."""
+        placement = self.manager.layout.placement(layer_idx, "k")
+        token_bytes = keys.shape[1] * keys.shape[3] * keys.element_size()
+        if keys.shape != values.shape or placement.size != token_bytes * self.tpb:
+            raise ArgumentError(
+                f"manager is invalid for this model: layer {layer_idx}'s pages hold "
+                f"{placement.size // self.tpb} bytes per token, its keys and values "
+                f"{tuple(keys.shape)} of {keys.dtype} need {token_bytes} (build the manager with "
+                "kvpool.integrations.transformers.manager_config(model, ...))"
+            )
+
+    def _reserve(self, end: int) -> None:
+        """Pages for columns up to `end` in every row (all layers), private where written."""
+        start = min(layer.length for layer in self.kv_layers)
+        for index, (row, pad) in enumerate(zip(self.rows, self.pads, strict=True)):
+            capacity = max(end - pad, 0)
+            history = min(max(start - pad, row.history_length), capacity)
+            if not row.resize(max(capacity, row.capacity), history) or not row.prepare_write(
+                max(history, row.num_committed_tokens), max(capacity, row.num_committed_tokens)
+            ):
+                raise OutOfPagesError(
+                    f"kvpool has no room on the GPU level for {capacity - history} more tokens "
+                    f"of row {index}"
+                )
+        self.reserved, self.floor = end, start
+        self._tables.clear()
+        self._pools.clear()  # (page views change when a level is resized or rebalanced)
+
+    def _pool(self, layer_idx: int, role: str, like: torch.Tensor) -> torch.Tensor:
+        """The layer's K or V pages as [slots * tokens per block, kv heads, head dim]."""
+        key = (layer_idx, role)
+        pool = self._pools.get(key)
+        if pool is None:
+            view = self.manager.page_view(layer_idx, role)
+            raw = view if isinstance(view, torch.Tensor) else torch.from_numpy(np.asarray(view))
+            pool = raw.view(like.dtype).view(-1, like.shape[1], like.shape[3])
+            self._pools[key] = pool
+        return pool
+
+    def table(self, layer_idx: int, role: str) -> torch.Tensor:
+        """Page rows per (row, block) of one buffer, -1 where a block has none: [rows, blocks]."""
+        key = (layer_idx, role)
+        table = self._tables.get(key)
+        if table is None:
+            indices = [row.get_page_indices(layer_idx, role) for row in self.rows]
+            width = max(1, *(len(i) for i in indices))
+            padded = np.full((len(indices), width), -1, dtype=np.int64)
+            for index, rows in enumerate(indices):
+                padded[index, : len(rows)] = rows
+            table = self._tables[key] = torch.from_numpy(padded)
+        return table
+
+    def _flat(self, layer_idx: int, role: str, begin: int, end: int) -> torch.Tensor:
+        """Each (row, column) in [begin, end)'s token row in `_pool` (-1: padding, or no page)."""
+        tpb = self.tpb
+        pads = torch.tensor(self.pads, dtype=torch.int64)[:, None]
+        positions = torch.arange(begin, end, dtype=torch.int64)[None, :] - pads  # real positions
+        table = self.table(layer_idx, role)
+        blocks = positions.clamp(min=0) // tpb
+        inside = (positions >= 0) & (blocks < table.shape[1])
+        rows = torch.gather(table, 1, blocks.clamp(max=table.shape[1] - 1))
+        return torch.where(inside & (rows >= 0), rows * tpb + positions % tpb, -1)
+
+    def write_and_read(
+        self, layer: KVPoolLayer, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`KVPoolLayer.update`: write the new columns' K/V into the pages, return the K/V
+        attention reads (module docstring)."""
+        if not self.rows:
+            raise LogicError(
+                "KVPoolCache has no rows: call cache.prepare(input_ids, attention_mask) before "
+                "the forward pass (kvpool.integrations.transformers.generate does)"
+            )
+        if keys.shape[0] != len(self.rows):
+            raise ArgumentError(
+                f"key_states={tuple(keys.shape)} is invalid: the cache has {len(self.rows)} rows "
+                "(prepare(..., expand=max(num_beams, num_return_sequences)))"
+            )
+        start, count = layer.length, keys.shape[2]
+        if start + count > self.reserved or start < self.floor:
+            self._reserve(start + count)
+        for role, states in (("k", keys), ("v", values)):
+            pool = self._pool(layer.layer_idx, role, states)
+            flat = self._flat(layer.layer_idx, role, start, start + count)
+            valid = flat >= 0
+            pool[flat[valid]] = states.transpose(1, 2)[valid].to(pool.device, pool.dtype)
+        begin = layer.first_visible()  # (what get_mask_sizes told the mask, before this write)
+        layer.length = start + count
+        if self.config._attn_implementation == ATTENTION:
+            _PAGED.set((self, layer))
+            return keys, values
+        outputs = []
+        for role, states in (("k", keys), ("v", values)):
+            pool = self._pool(layer.layer_idx, role, states)
+            flat = self._flat(layer.layer_idx, role, begin, layer.length)
+            gathered = pool[flat.clamp(min=0)]
+            gathered.masked_fill_((flat < 0)[:, :, None, None], 0)
+            outputs.append(gathered.transpose(1, 2).to(states.device))
+        return outputs[0], outputs[1]
+
+
+# -- attention through the page tables -----------------------------------------------------------
+
+_PAGED: contextvars.ContextVar[tuple[KVPoolCache, KVPoolLayer] | None] = contextvars.ContextVar(
+    "kvpool_paged", default=None
+)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention that reads each row's keys and values from kvpool's pages through its page
+    table, `CHUNK_BLOCKS` blocks at a time with an online softmax (never the whole history in
+    one tensor). Causal, per-row padding and the layer's sliding window are applied from the
+    cache's own positions (transformers builds no mask for this implementation). Register it
+    with `transformers.AttentionInterface.register("kvpool", paged_attention)` (done on import)
+    and load the model with `attn_implementation="kvpool"`."""
+    current = _PAGED.get()
+    if current is None:
+        raise LogicError(
+            "attn_implementation='kvpool' reads kvpool's pages: pass a KVPoolCache (use_cache=True)"
+        )
+    cache, layer = current
+    _PAGED.set(None)
+    if dropout:
+        raise ArgumentError(f"dropout={dropout} is invalid: must be 0 (inference only)")
+    batch, heads, count, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    tpb = cache.tpb
+    scale = scaling if scaling is not None else dim**-0.5
+    keys_pool = cache._pool(layer.layer_idx, "k", key)
+    values_pool = cache._pool(layer.layer_idx, "v", value)
+    keys_table = cache.table(layer.layer_idx, "k").to(keys_pool.device)
+    values_table = cache.table(layer.layer_idx, "v").to(values_pool.device)
+    pads = torch.tensor(cache.pads, dtype=torch.int64, device=query.device)[:, None]
+    positions = torch.arange(layer.length - count, layer.length, device=query.device)[None] - pads
+    q = query.reshape(batch, kv_heads, group, count, dim).to(torch.float32) * scale
+    best = torch.full((batch, kv_heads, group, count, 1), -torch.inf, device=query.device)
+    total = torch.zeros((batch, kv_heads, group, count, 1), device=query.device)
+    out = torch.zeros((batch, kv_heads, group, count, dim), device=query.device)
+    first = 0
+    if layer.window is not None:
+        first = max(int(positions.min()) - layer.window + 1, 0) // tpb
+    last = -(-int(positions.max() + 1) // tpb)
+    for begin in range(first, last, CHUNK_BLOCKS):
+        end = min(begin + CHUNK_BLOCKS, last)
+        blocks = keys_table[:, begin:end]
+        keys_chunk = keys_pool.view(-1, tpb, kv_heads, dim)[blocks.clamp(min=0)]
+        values_chunk = values_pool.view(-1, tpb, kv_heads, dim)[
+            values_table[:, begin:end].clamp(min=0)
+        ]
+        k = keys_chunk.reshape(batch, -1, kv_heads, dim).to(query.device, torch.float32)
+        v = values_chunk.reshape(batch, -1, kv_heads, dim).to(query.device, torch.float32)
+        scores = torch.einsum("bhgqd,bkhd->bhgqk", q, k)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        key_positions = torch.arange(begin * tpb, end * tpb, device=query.device)
+        allowed = (key_positions[None, None, :] <= positions[:, :, None]) & (
+            blocks.to(query.device) >= 0
+        ).repeat_interleave(tpb, dim=1)[:, None, :]
+        if layer.window is not None:
+            allowed &= positions[:, :, None] - key_positions[None, None, :] < layer.window
+        scores = scores.masked_fill(~allowed[:, None, None], -torch.inf)
+        peak = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
+        safe = torch.where(torch.isinf(peak), 0.0, peak)
+        rescale = torch.exp(best - safe)
+        weights = torch.exp(scores - safe)
+        total = total * rescale + weights.sum(dim=-1, keepdim=True)
+        out = out * rescale + torch.einsum("bhgqk,bkhd->bhgqd", weights, v)
+        best = peak
+    out = torch.where(total > 0, out / total.clamp(min=1e-30), 0.0)  # (padding rows: zeros)
+    out = out.reshape(batch, heads, count, dim).transpose(1, 2).to(query.dtype).contiguous()
+    return out, None
+
+
+AttentionInterface.register(ATTENTION, paged_attention)
+
+
+# -- generate ------------------------------------------------------------------------------------
+
+
+def generate(
+    model: Any,
+    cache: KVPoolCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> Any:
+    """`model.generate(input_ids, attention_mask, cache=cache, **kwargs)` around the cache's
+    `prepare` (prefix reuse, one row per beam or returned sequence) and `finish` (commit and
+    close). If generation raises (or is interrupted), the rows are closed uncommitted."""
+    config = model.generation_config
+    beams = kwargs.get("num_beams") or config.num_beams or 1
+    returned = kwargs.get("num_return_sequences") or config.num_return_sequences or 1
+    cache.prepare(input_ids, attention_mask, expand=max(beams, returned))
+    try:
+        output = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs
+        )
+    except BaseException:
+        cache.reset()
+        raise
+    sequences = output if isinstance(output, torch.Tensor) else output.sequences
+    cache.finish(sequences if sequences.shape[0] == len(cache.rows) else None)
+    return output
+
+
+__all__ = [
+    "ATTENTION",
+    "KVPoolCache",
+    "KVPoolLayer",
+    "generate",
+    "manager_config",
+    "paged_attention",
+]
