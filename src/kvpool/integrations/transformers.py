@@ -364,21 +364,21 @@ class KVPoolCache(Cache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last `-tokens_to_remove` columns (transformers' convention: a negative
-        count), at most back to the start of the last forward pass."""
+        count), back at most to `floor`: the columns the rows' kvpool history covers, where the
+        last forward pass that needed new pages started."""
         if tokens_to_remove > 0:
             raise ArgumentError(
                 f"tokens_to_remove={tokens_to_remove} is invalid: must be <= 0 (the number of "
                 "tokens to remove, negated)"
             )
-        columns = self.kv_layers[0].length + tokens_to_remove
-        if columns < self.floor:
+        length = self.kv_layers[0].length
+        if length + tokens_to_remove < self.floor:
             raise ArgumentError(
                 f"tokens_to_remove={tokens_to_remove} is invalid: must be >= "
-                f"{self.floor - self.kv_layers[0].length} (kvpool keeps no KV to go back "
-                "further than the last forward pass)"
+                f"{self.floor - length} (kvpool's history ends at column {self.floor})"
             )
         for layer in self.kv_layers:
-            layer.length = min(layer.length, columns)
+            layer.length = min(layer.length, length + tokens_to_remove)
 
     # -- K/V -------------------------------------------------------------------------------------
 
