@@ -106,7 +106,9 @@ def test_greedy_and_beam_search_match_transformers_token_for_token(family, atten
     manager = manager_for(model)
     cache = kvt.KVPoolCache(model, manager)
     for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 4}):
-        expected = reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, **options)
+        expected = reference.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=12, **options
+        )
         got = kvt.generate(model, cache, ids, mask, max_new_tokens=12, **options)
         assert torch.equal(got, expected), (family, attention, options)
     assert manager.stats().forks > 0 and manager.stats().copy_on_write_pages > 0
@@ -154,7 +156,9 @@ def test_the_next_turn_computes_only_its_new_tokens_and_gives_the_same_output(fa
     mask2 = torch.cat([mask, torch.ones(3, 11, dtype=torch.long)], dim=1)
     counting = Counting(model)
     second = kvt.generate(model, cache, ids2, mask2, max_new_tokens=6, do_sample=False)
-    expected = reference.generate(input_ids=ids2, attention_mask=mask2, max_new_tokens=6, do_sample=False)
+    expected = reference.generate(
+        input_ids=ids2, attention_mask=mask2, max_new_tokens=6, do_sample=False
+    )
     assert torch.equal(second, expected)
     # Cached: every column before the first turn's last output token (its KV was never
     # computed), the shortest row's padding included; computed: the rest, then 5 decode steps.
@@ -215,7 +219,7 @@ def test_beams_share_their_pages_and_a_shared_page_is_never_written_in_place():
     got = kvt.generate(model, cache, ids, mask, max_new_tokens=14, num_beams=4)
     assert torch.equal(got, expected) and Watching.writes > 0
     stats = manager.stats()
-    assert stats.forks > 0 and 0 < stats.copy_on_write_pages
+    assert stats.forks > 0 and stats.copy_on_write_pages > 0
     finish(manager)
 
 
@@ -271,9 +275,11 @@ def test_bad_calls_are_refused_by_name_and_a_failed_generate_leaves_nothing_open
     manager = manager_for(model)
     cache = kvt.KVPoolCache(model, manager)
     ids = torch.tensor([[1, 2, 3, 0]])
-    with pytest.raises(ArgumentError, match=r"attention_mask\[0\] is invalid: must be left padding"):
+    with pytest.raises(
+        ArgumentError, match=r"attention_mask\[0\] is invalid: must be left padding"
+    ):
         cache.prepare(ids, torch.tensor([[1, 1, 1, 0]]))
-    with pytest.raises(LogicError, match="call cache.prepare"):
+    with pytest.raises(LogicError, match=r"call cache\.prepare"):
         model(input_ids=ids, cache=cache)
     cache.prepare(ids)
     with pytest.raises(LogicError, match="call finish"):
