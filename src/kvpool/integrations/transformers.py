@@ -187,8 +187,14 @@ class KVPoolCache(Cache):
         self.reordered = False  # rows were chosen among beams: their histories are not outputs
         self.reserved = 0  # columns the rows have pages for
         self.floor = 0  # columns below which nothing may be cropped (kvpool's history)
-        self._tables: dict[tuple[int, str], torch.Tensor] = {}  # per (layer, role): rows' pages
-        self._pools: dict[tuple[int, str], torch.Tensor] = {}
+        self._group = [layout.placement(i, "k").layer_group for i in range(len(layers))]
+        # Where the KV of each column is, for columns below `reserved` (set by `_reserve`): per
+        # layer group the slot id of each (row, block) and of each (row, column), and per
+        # (row, column) the offset in its block and whether it is padding.
+        self._blocks: dict[int, torch.Tensor] = {}
+        self._slots: dict[int, torch.Tensor] = {}
+        self._offsets = self._padding = torch.zeros((0, 0), dtype=torch.int64)
+        self._views: dict[tuple[int, str], torch.Tensor] = {}
         self._token_bytes: int | None = None
 
     # -- rows ------------------------------------------------------------------------------------
@@ -317,8 +323,7 @@ class KVPoolCache(Cache):
         self.rows, self.pads, self.prompts, self.sources = [], [], [], []
         self.reordered = False
         self.reserved = self.floor = 0
-        self._tables.clear()
-        self._pools.clear()
+        self._views.clear()
         for layer in self.kv_layers:
             layer.reset()
 
@@ -343,7 +348,7 @@ class KVPoolCache(Cache):
         self.pads = [old_pads[pick] for pick in picks]
         self.sources = [self.sources[pick] for pick in picks]
         self.reserved = min(layer.length for layer in self.kv_layers)
-        self._tables.clear()  # (the next write reserves again: forks copy what they write)
+        # (The next write reserves again: forks copy what they write, and the tables follow.)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row `repeats` times in a row (forks sharing its pages)."""
@@ -395,7 +400,8 @@ class KVPoolCache(Cache):
             )
 
     def _reserve(self, end: int) -> None:
-        """Pages for columns up to `end` in every row (all layers), private where written."""
+        """Pages for columns up to `end` in every row (all layers), private where written; then
+        where each column's KV is (`_where`)."""
         start = min(layer.length for layer in self.kv_layers)
         for index, (row, pad) in enumerate(zip(self.rows, self.pads, strict=True)):
             capacity = max(end - pad, 0)
@@ -408,43 +414,44 @@ class KVPoolCache(Cache):
                     f"of row {index}"
                 )
         self.reserved, self.floor = end, start
-        self._tables.clear()
-        self._pools.clear()  # (page views change when a level is resized or rebalanced)
-
-    def _pool(self, layer_idx: int, role: str, like: torch.Tensor) -> torch.Tensor:
-        """The layer's K or V pages as [slots * tokens per block, kv heads, head dim]."""
-        key = (layer_idx, role)
-        pool = self._pools.get(key)
-        if pool is None:
-            view = self.manager.page_view(layer_idx, role)
-            raw = view if isinstance(view, torch.Tensor) else torch.from_numpy(np.asarray(view))
-            pool = raw.view(like.dtype).view(-1, like.shape[1], like.shape[3])
-            self._pools[key] = pool
-        return pool
-
-    def table(self, layer_idx: int, role: str) -> torch.Tensor:
-        """Page rows per (row, block) of one buffer, -1 where a block has none: [rows, blocks]."""
-        key = (layer_idx, role)
-        table = self._tables.get(key)
-        if table is None:
-            indices = [row.get_page_indices(layer_idx, role) for row in self.rows]
-            width = max(1, *(len(i) for i in indices))
-            padded = np.full((len(indices), width), -1, dtype=np.int64)
-            for index, rows in enumerate(indices):
-                padded[index, : len(rows)] = rows
-            table = self._tables[key] = torch.from_numpy(padded)
-        return table
-
-    def _flat(self, layer_idx: int, role: str, begin: int, end: int) -> torch.Tensor:
-        """Each (row, column) in [begin, end)'s token row in `_pool` (-1: padding, or no page)."""
-        tpb = self.tpb
+        self._views.clear()  # (page views change when a level is resized or rebalanced)
+        tpb, groups = self.tpb, {self._group[layer.layer_idx] for layer in self.kv_layers}
         pads = torch.tensor(self.pads, dtype=torch.int64)[:, None]
-        positions = torch.arange(begin, end, dtype=torch.int64)[None, :] - pads  # real positions
-        table = self.table(layer_idx, role)
-        blocks = positions.clamp(min=0) // tpb
-        inside = (positions >= 0) & (blocks < table.shape[1])
-        rows = torch.gather(table, 1, blocks.clamp(max=table.shape[1] - 1))
-        return torch.where(inside & (rows >= 0), rows * tpb + positions % tpb, -1)
+        positions = torch.arange(end, dtype=torch.int64)[None, :] - pads  # real positions
+        self._offsets = positions.clamp(min=0) % tpb
+        self._padding = positions < 0
+        for g in groups:
+            slots = [row.get_base_page_indices(g) for row in self.rows]
+            table = np.full((len(slots), max(1, *(len(ids) for ids in slots))), -1, np.int64)
+            for number, ids in enumerate(slots):
+                table[number, : len(ids)] = ids
+            blocks = torch.from_numpy(table)
+            self._blocks[g] = blocks
+            of_column = (positions.clamp(min=0) // tpb).clamp(max=blocks.shape[1] - 1)
+            self._slots[g] = torch.gather(blocks, 1, of_column).clamp(min=0)
+
+    def pages(self, layer_idx: int, role: str, like: torch.Tensor) -> torch.Tensor:
+        """The layer's K or V pages as [slots, tokens per block, kv heads, head dim] (a strided
+        view of the pool: a slot id indexes it)."""
+        key = (layer_idx, role)
+        view = self._views.get(key)
+        if view is None:
+            page_view = self.manager.page_view(layer_idx, role)
+            raw = (
+                page_view
+                if isinstance(page_view, torch.Tensor)
+                else torch.from_numpy(np.asarray(page_view))
+            )
+            placement = self.manager.layout.placement(layer_idx, role)
+            view = raw.view(like.dtype).view(
+                -1, placement.buffers_per_slot, self.tpb, like.shape[1], like.shape[3]
+            )[:, placement.position]
+            self._views[key] = view
+        return view
+
+    def blocks(self, layer_idx: int) -> torch.Tensor:
+        """Slot ids per (row, block) of the layer's layer group, -1 where none: [rows, blocks]."""
+        return self._blocks[self._group[layer_idx]]
 
     def write_and_read(
         self, layer: KVPoolLayer, keys: torch.Tensor, values: torch.Tensor
@@ -464,24 +471,44 @@ class KVPoolCache(Cache):
         start, count = layer.length, keys.shape[2]
         if start + count > self.reserved or start < self.floor:
             self._reserve(start + count)
+        end = start + count
+        slots = self._slots[self._group[layer.layer_idx]]
+        written = ~self._padding[:, start:end]
+        new_slots, new_offsets = slots[:, start:end][written], self._offsets[:, start:end][written]
         for role, states in (("k", keys), ("v", values)):
-            pool = self._pool(layer.layer_idx, role, states)
-            flat = self._flat(layer.layer_idx, role, start, start + count)
-            valid = flat >= 0
-            pool[flat[valid]] = states.transpose(1, 2)[valid].to(pool.device, pool.dtype)
+            pages = self.pages(layer.layer_idx, role, states)
+            pages[new_slots, new_offsets] = states.transpose(1, 2)[written].to(
+                pages.device, pages.dtype
+            )
         begin = layer.first_visible()  # (what get_mask_sizes told the mask, before this write)
-        layer.length = start + count
+        layer.length = end
         if self.config._attn_implementation == ATTENTION:
             _PAGED.set((self, layer))
             return keys, values
-        outputs = []
-        for role, states in (("k", keys), ("v", values)):
-            pool = self._pool(layer.layer_idx, role, states)
-            flat = self._flat(layer.layer_idx, role, begin, layer.length)
-            gathered = pool[flat.clamp(min=0)]
-            gathered.masked_fill_((flat < 0)[:, :, None, None], 0)
-            outputs.append(gathered.transpose(1, 2).to(states.device))
-        return outputs[0], outputs[1]
+        return self._gather(layer.layer_idx, keys, begin, end), self._gather(
+            layer.layer_idx, values, begin, end, "v"
+        )
+
+    def _gather(
+        self, layer_idx: int, like: torch.Tensor, begin: int, end: int, role: str = "k"
+    ) -> torch.Tensor:
+        """Columns [begin, end) of one buffer as [rows, kv heads, columns, head dim]: whole
+        blocks gathered at once, then each row's columns cut out (padding columns: zeros)."""
+        tpb, pads = self.tpb, self.pads
+        first = min(max(begin - pad, 0) for pad in pads) // tpb
+        last = -(-max(end - pad for pad in pads) // tpb)
+        blocks = self._blocks[self._group[layer_idx]][:, first:last].clamp(min=0)
+        pages = self.pages(layer_idx, role, like)
+        real = pages[blocks].flatten(1, 2)  # [rows, tokens from block `first` on, heads, dim]
+        base = first * tpb
+        if not any(pads):  # every row's columns are its real positions
+            out = real[:, begin - base : end - base]
+        else:
+            out = real.new_zeros((len(pads), end - begin, *real.shape[2:]))
+            for row, pad in enumerate(pads):
+                low = max(begin - pad, 0)
+                out[row, low + pad - begin :] = real[row, low - base : end - pad - base]
+        return out.transpose(1, 2).to(like.device)
 
 
 # -- attention through the page tables -----------------------------------------------------------
@@ -522,10 +549,9 @@ def paged_attention(
     group = heads // kv_heads
     tpb = cache.tpb
     scale = scaling if scaling is not None else dim**-0.5
-    keys_pool = cache._pool(layer.layer_idx, "k", key)
-    values_pool = cache._pool(layer.layer_idx, "v", value)
-    keys_table = cache.table(layer.layer_idx, "k").to(keys_pool.device)
-    values_table = cache.table(layer.layer_idx, "v").to(values_pool.device)
+    keys_pages = cache.pages(layer.layer_idx, "k", key)
+    values_pages = cache.pages(layer.layer_idx, "v", value)
+    table = cache.blocks(layer.layer_idx).to(keys_pages.device)
     pads = torch.tensor(cache.pads, dtype=torch.int64, device=query.device)[:, None]
     positions = torch.arange(layer.length - count, layer.length, device=query.device)[None] - pads
     q = query.reshape(batch, kv_heads, group, count, dim).to(torch.float32) * scale
@@ -538,13 +564,10 @@ def paged_attention(
     last = -(-int(positions.max() + 1) // tpb)
     for begin in range(first, last, CHUNK_BLOCKS):
         end = min(begin + CHUNK_BLOCKS, last)
-        blocks = keys_table[:, begin:end]
-        keys_chunk = keys_pool.view(-1, tpb, kv_heads, dim)[blocks.clamp(min=0)]
-        values_chunk = values_pool.view(-1, tpb, kv_heads, dim)[
-            values_table[:, begin:end].clamp(min=0)
-        ]
-        k = keys_chunk.reshape(batch, -1, kv_heads, dim).to(query.device, torch.float32)
-        v = values_chunk.reshape(batch, -1, kv_heads, dim).to(query.device, torch.float32)
+        blocks = table[:, begin:end]
+        k = keys_pages[blocks.clamp(min=0)].reshape(batch, -1, kv_heads, dim)
+        v = values_pages[blocks.clamp(min=0)].reshape(batch, -1, kv_heads, dim)
+        k, v = k.to(query.device, torch.float32), v.to(query.device, torch.float32)
         scores = torch.einsum("bhgqd,bkhd->bhgqk", q, k)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
