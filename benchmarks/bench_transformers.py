@@ -109,12 +109,16 @@ def cow_pages(model: Any, beams: int = 4, prompt: int = 200, new: int = 48) -> d
 
     def counting_fork(source: Any, id: int | None = None) -> Any:
         full_copies[0] += sum(
-            page is not None for g in range(manager.layout.num_layer_groups) for page in source.pages(g)
+            page is not None
+            for g in range(manager.layout.num_layer_groups)
+            for page in source.pages(g)
         )
         return fork(source, id)
 
     manager.fork_kv_cache = counting_fork  # type: ignore[method-assign]
-    ids = torch.randint(3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(2)
+    )
     with torch.no_grad():
         kvt.generate(model, cache, ids, max_new_tokens=new, num_beams=beams, do_sample=False)
     stats = manager.stats()
@@ -150,7 +154,7 @@ def decode_step(model: Any, runs: int, contexts: list[int], batch: int = 4) -> l
             with torch.no_grad():
                 model(input_ids=ids, cache=cache)
 
-                def one() -> None:
+                def one(step: torch.Tensor = step, cache: Any = cache) -> None:
                     model(input_ids=step, cache=cache)
                     cache.crop(-1)
 
