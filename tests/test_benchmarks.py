@@ -59,3 +59,18 @@ def test_the_variant_benchmarks_run_each_variant_on_workload_b(script, extra, ke
             full["lru"]["prefix_hit_tokens"]
         }
         assert full["lru"]["ratio"] == 1.0
+
+
+def test_the_transformers_benchmark_runs_and_reuses_and_shares():
+    pytest.importorskip("transformers")
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "bench_transformers.py"),
+        *("--quick", "--runs", "1", "--contexts", "32"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    report = json.loads(done.stdout[done.stdout.index("{") :])["llama-small"]
+    prefill, cow = report["prefill"], report["cow"]
+    assert prefill["cached_tokens"] == prefill["turn_tokens"] - 1 > 0
+    assert cow["forks"] > 0 and 0 < cow["pages_copied_on_write"] < cow["pages_if_every_fork_copied"]
+    assert [row["context"] for row in report["decode"]] == [32]
