@@ -148,7 +148,13 @@ def decode_step(model: Any, runs: int, contexts: list[int], batch: int = 4) -> l
             if name == "dynamic":
                 cache: Any = transformers.DynamicCache(config=model.config)
             else:
-                manager = KVCacheManager(kvt.manager_config(model, 512 * MiB))
+                config = model.config
+                head_dim = getattr(config, "head_dim", None) or (
+                    config.hidden_size // config.num_attention_heads
+                )
+                token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+                need = batch * (context + 64) * token_bytes * model.dtype.itemsize
+                manager = KVCacheManager(kvt.manager_config(model, max(64 * MiB, 2 * need)))
                 cache = kvt.KVPoolCache(model, manager)
                 cache.prepare(ids)
             with torch.no_grad():

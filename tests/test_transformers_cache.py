@@ -321,6 +321,8 @@ def test_smollm2_real_weights_with_reuse_across_calls():
     cache = kvt.KVPoolCache(model, manager)
     prompts = ["The capital of France is", "Water boils at a temperature of"]
     inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+    beams = model.generate(**inputs, max_new_tokens=6, num_beams=4, do_sample=False)
+    assert torch.equal(kvt.generate(model, cache, **inputs, max_new_tokens=6, num_beams=4), beams)
     expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     got = kvt.generate(model, cache, **inputs, max_new_tokens=8, do_sample=False)
     assert torch.equal(got, expected)

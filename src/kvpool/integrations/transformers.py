@@ -27,8 +27,8 @@ How it fits transformers' contract (5.x, `cache_utils.py`):
 - `batch_repeat_interleave`, `reorder_cache` and `batch_select_indices` fork rows
   (`KVCacheManager.fork_kv_cache`): a repeated or chosen-twice row shares every page, and a page
   is copied only when a beam writes into a shared partial block (`KVCache.prepare_write`).
-- `crop(-n)` forgets the last n tokens of the last forward pass (assisted decoding); `reset()`
-  closes every row.
+- `crop(-n)` forgets the last n columns (assisted decoding), back at most to where the rows'
+  kvpool history stands; `reset()` closes every row.
 
 Supported: decoder-only models whose layers are full or sliding-window attention with one K and
 one V per layer, as `manager_config_from_hf` lays them out (Llama, Mistral, Qwen2/3, Gemma 1/2/3,
@@ -37,7 +37,6 @@ SmolLM, ...). Anything else is refused by name when the cache is built.
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,12 +50,13 @@ from kvpool.cache import KVCache, KVCacheStatus
 from kvpool.config import CacheTierConfig, KVCacheManagerConfig, ReuseScope
 from kvpool.engine.model import manager_config_from_hf
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
+from kvpool.integrations.paged_attention import ATTENTION, CURRENT, paged_attention
 from kvpool.manager import KVCacheManager
 from kvpool.validation import check_int
 
 SUPPORTED = ((5, 24), (6, 0))  # transformers versions: [5.24, 6)
-ATTENTION = "kvpool"  # the attention implementation that reads pages directly
-CHUNK_BLOCKS = 64  # blocks per step of the paged attention's online softmax
+
+AttentionInterface.register(ATTENTION, paged_attention)
 
 _version = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 if not SUPPORTED[0] <= _version < SUPPORTED[1]:
@@ -483,7 +483,7 @@ class KVPoolCache(Cache):
         begin = layer.first_visible()  # (what get_mask_sizes told the mask, before this write)
         layer.length = end
         if self.config._attn_implementation == ATTENTION:
-            _PAGED.set((self, layer))
+            CURRENT.set((self, layer))
             return keys, values
         return self._gather(layer.layer_idx, keys, begin, end), self._gather(
             layer.layer_idx, values, begin, end, "v"
@@ -509,88 +509,6 @@ class KVPoolCache(Cache):
                 low = max(begin - pad, 0)
                 out[row, low + pad - begin :] = real[row, low - base : end - pad - base]
         return out.transpose(1, 2).to(like.device)
-
-
-# -- attention through the page tables -----------------------------------------------------------
-
-_PAGED: contextvars.ContextVar[tuple[KVPoolCache, KVPoolLayer] | None] = contextvars.ContextVar(
-    "kvpool_paged", default=None
-)
-
-
-def paged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    softcap: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention that reads each row's keys and values from kvpool's pages through its page
-    table, `CHUNK_BLOCKS` blocks at a time with an online softmax (never the whole history in
-    one tensor). Causal, per-row padding and the layer's sliding window are applied from the
-    cache's own positions (transformers builds no mask for this implementation). Register it
-    with `transformers.AttentionInterface.register("kvpool", paged_attention)` (done on import)
-    and load the model with `attn_implementation="kvpool"`."""
-    current = _PAGED.get()
-    if current is None:
-        raise LogicError(
-            "attn_implementation='kvpool' reads kvpool's pages: pass a KVPoolCache (use_cache=True)"
-        )
-    cache, layer = current
-    _PAGED.set(None)
-    if dropout:
-        raise ArgumentError(f"dropout={dropout} is invalid: must be 0 (inference only)")
-    batch, heads, count, dim = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    tpb = cache.tpb
-    scale = scaling if scaling is not None else dim**-0.5
-    keys_pages = cache.pages(layer.layer_idx, "k", key)
-    values_pages = cache.pages(layer.layer_idx, "v", value)
-    table = cache.blocks(layer.layer_idx).to(keys_pages.device)
-    pads = torch.tensor(cache.pads, dtype=torch.int64, device=query.device)[:, None]
-    positions = torch.arange(layer.length - count, layer.length, device=query.device)[None] - pads
-    q = query.reshape(batch, kv_heads, group, count, dim).to(torch.float32) * scale
-    best = torch.full((batch, kv_heads, group, count, 1), -torch.inf, device=query.device)
-    total = torch.zeros((batch, kv_heads, group, count, 1), device=query.device)
-    out = torch.zeros((batch, kv_heads, group, count, dim), device=query.device)
-    first = 0
-    if layer.window is not None:
-        first = max(int(positions.min()) - layer.window + 1, 0) // tpb
-    last = -(-int(positions.max() + 1) // tpb)
-    for begin in range(first, last, CHUNK_BLOCKS):
-        end = min(begin + CHUNK_BLOCKS, last)
-        blocks = table[:, begin:end]
-        k = keys_pages[blocks.clamp(min=0)].reshape(batch, -1, kv_heads, dim)
-        v = values_pages[blocks.clamp(min=0)].reshape(batch, -1, kv_heads, dim)
-        k, v = k.to(query.device, torch.float32), v.to(query.device, torch.float32)
-        scores = torch.einsum("bhgqd,bkhd->bhgqk", q, k)
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        key_positions = torch.arange(begin * tpb, end * tpb, device=query.device)
-        allowed = (key_positions[None, None, :] <= positions[:, :, None]) & (
-            blocks.to(query.device) >= 0
-        ).repeat_interleave(tpb, dim=1)[:, None, :]
-        if layer.window is not None:
-            allowed &= positions[:, :, None] - key_positions[None, None, :] < layer.window
-        scores = scores.masked_fill(~allowed[:, None, None], -torch.inf)
-        peak = torch.maximum(best, scores.amax(dim=-1, keepdim=True))
-        safe = torch.where(torch.isinf(peak), 0.0, peak)
-        rescale = torch.exp(best - safe)
-        weights = torch.exp(scores - safe)
-        total = total * rescale + weights.sum(dim=-1, keepdim=True)
-        out = out * rescale + torch.einsum("bhgqk,bkhd->bhgqd", weights, v)
-        best = peak
-    out = torch.where(total > 0, out / total.clamp(min=1e-30), 0.0)  # (padding rows: zeros)
-    out = out.reshape(batch, heads, count, dim).transpose(1, 2).to(query.dtype).contiguous()
-    return out, None
-
-
-AttentionInterface.register(ATTENTION, paged_attention)
 
 
 # -- generate ------------------------------------------------------------------------------------
