@@ -15,7 +15,7 @@ from kvpool import (
 )
 from kvpool.config import CacheTier
 from kvpool.errors import ArgumentError
-from tests.helpers import MiB, kv_layer, make_config
+from tests.helpers import MiB, kv_layer, make_config, shutdown
 
 TWO_GROUPS = [kv_layer(0, size=8192, window=128), kv_layer(1, size=2048)]
 
@@ -164,3 +164,26 @@ def test_shutdown_is_idempotent_and_final():
     manager.shutdown()
     with pytest.raises(LogicError, match="shut down"):
         manager.get_quota(0)
+
+
+def test_a_level_of_a_million_slots_makes_no_object_per_slot():
+    import tracemalloc
+
+    from kvpool import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig
+
+    slots = 1 << 20
+    layer = AttentionLayerConfig(0, [BufferConfig("k", 1024), BufferConfig("v", 1024)])
+    config = KVCacheManagerConfig(16, [GpuCacheTierConfig(slots * 2048)], [layer])
+    tracemalloc.start()
+    try:
+        m = KVCacheManager(config)
+        built = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert m.get_slot_counts(0) == [slots]
+    assert built < 1 << 20, built  # (a handle, a page record and a block per slot: 400 MiB)
+    cache = m.create_kv_cache(None, [])
+    assert cache.resume() and cache.resize(16 * 100)  # objects come as pages are used
+    assert len(m._storage.allocators[0][0]._slots) == 100
+    cache.close()
+    shutdown(m)

@@ -71,18 +71,17 @@ class Match:
 class RadixTree:
     """Committed blocks of every reuse scope, keyed by chained block keys."""
 
-    def __init__(self, layout: KVLayout, spare_blocks: int = 0) -> None:
+    def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
         self.roots: dict[bytes, Block] = {}
         # Every non-root block in the tree by key. Keys are chained from the scope's key, so a
         # key alone names a block and its whole prefix: lookups need no walk from the root.
         self.index: dict[bytes, Block] = {}
-        # Non-root blocks that left the tree, reused for new ones (no garbage per block). Nothing
-        # outside the tree keeps a block: requests look their insertion point up by key.
+        # Non-root blocks that left the tree, reused for new ones (no garbage per block once the
+        # tree has been as large as it gets). Nothing outside the tree keeps a block: requests
+        # look their insertion point up by key.
         self._no_pages: list[None] = [None] * layout.num_layer_groups  # a new block's pages
-        self._spare: list[Block] = [
-            Block(b"", None, b"", 0, self._no_pages) for _ in range(spare_blocks)
-        ]
+        self._spare: list[Block] = []
         self._tokens_per_block = layout.tokens_per_block
         # Told where full blocks' pages enter or leave the tree (None: no KV events).
         self.kv_events: KVEventLog | None = None

@@ -65,7 +65,7 @@ def test_fuzzer_catches_a_planted_bug_and_shrinks_it(monkeypatch, tmp_path, targ
     with pytest.raises(FuzzFailure) as caught:
         fuzz("gpu-host-disk", 3, 3000)
     failure = caught.value
-    small = shrink(failure.layout, failure.seed, failure.ops, failure.error, seconds=20)
+    small = shrink(failure.layout, failure.seed, failure.ops, failure.error, seconds=60)
     assert len(small) < len(failure.ops) / 2
     path = tmp_path / "failure.json"
     save(path, failure.layout, failure.seed, small, failure.error)

@@ -387,25 +387,6 @@ AllocatorModel.TestCase.settings = settings(max_examples=150, stateful_step_coun
 TestAllocatorModel = AllocatorModel.TestCase
 
 
-class AllocatorWithHandlesModel(AllocatorModel):
-    """The same model, with every slot handle made up front (as for the GPU level)."""
-
-    def __init__(self):
-        super().__init__()
-        self.allocator = SlotAllocator(12, make_handles=True)
-
-    @invariant()
-    def one_handle_per_id(self):
-        a = self.allocator
-        assert [slot.slot_id for slot in a._slots] == list(range(a.capacity))
-        assert all(slot.released for slot in a._slots[a.num_active_slots :])
-        a.check_invariants()
-
-
-AllocatorWithHandlesModel.TestCase.settings = AllocatorModel.TestCase.settings
-TestAllocatorWithHandlesModel = AllocatorWithHandlesModel.TestCase
-
-
 def test_release_uses_the_slots_own_ready_event():
     allocator = SlotAllocator(2)
     slot = allocator.allocate()

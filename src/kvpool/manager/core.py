@@ -111,9 +111,7 @@ class ManagerCore:
                 storage.close()
             raise
         self._storage = StorageManager(self._levels)
-        # Records for about as many blocks as the GPU level holds, made now rather than in the
-        # engine's loop (like the slot handles and page records).
-        self._tree = RadixTree(self.layout, spare_blocks=max(self._levels[0].slot_counts))
+        self._tree = RadixTree(self.layout)
         self._storage.on_drop = self._tree.remove_pages
         self._clock = clock or time.monotonic
         # The policy decides what the last level drops; what it keeps stays cached somewhere

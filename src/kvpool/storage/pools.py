@@ -136,9 +136,7 @@ class PoolGroup:
         slot_sizes: Sequence[int],
         num_slots: int,
         make_memory: MemoryFactory,
-        make_handles: bool = False,
     ) -> None:
-        """`make_handles`: the allocator makes its slot handles now (see `SlotAllocator`)."""
         self.slot_sizes = tuple(slot_sizes)
         self.memories: list[Memory] = []
         try:
@@ -147,7 +145,7 @@ class PoolGroup:
         except BaseException:
             self.close()
             raise
-        self.allocator = SlotAllocator(num_slots, make_handles)
+        self.allocator = SlotAllocator(num_slots)
 
     @property
     def num_slots(self) -> int:
@@ -247,9 +245,7 @@ class LevelStorage:
         self.pool_groups: list[PoolGroup] = []
         try:
             for sizes, count in zip(slot_sizes, counts, strict=True):
-                self.pool_groups.append(
-                    PoolGroup(sizes, count, self._make_memory, tier is CacheTier.GPU)
-                )
+                self.pool_groups.append(PoolGroup(sizes, count, self._make_memory))
         except BaseException as error:
             self.close()
             if not isinstance(error, StorageError):

@@ -61,9 +61,7 @@ class Slot:
 class SlotAllocator:
     """Slot ids [0, capacity) of one pool group at one level, with scheduled shrink and expand."""
 
-    def __init__(self, capacity: int, make_handles: bool = False) -> None:
-        """`make_handles`: make every slot handle now (and on expand), not when its id is first
-        issued (for the GPU level: its engine loop then creates no objects from the start)."""
+    def __init__(self, capacity: int) -> None:
         check_int("capacity", capacity, 0)
         self._capacity = capacity
         self._target = capacity
@@ -72,9 +70,7 @@ class SlotAllocator:
         # capacity of a shrink).
         self._recycled: deque[Slot] = deque()
         self._overflow: list[Slot] = []
-        self._make_handles = make_handles
-        # The handle of each id below the high-water mark (of every id, with `make_handles`).
-        self._slots: list[Slot] = list(map(Slot, range(capacity))) if make_handles else []
+        self._slots: list[Slot] = []  # the handle of each id below the high-water mark
         self._num_occupied = 0
 
     # -- queries ---------------------------------------------------------------------------------
@@ -268,8 +264,6 @@ class SlotAllocator:
         if self.shrink_in_progress:
             raise LogicError(f"cannot expand while a shrink to {self._target} is in progress")
         check_int("new_capacity", new_capacity, self._capacity + 1)
-        if self._make_handles:
-            self._slots += map(Slot, range(len(self._slots), new_capacity))
         self._capacity = self._target = new_capacity
         if _debug.DEBUG:
             self.check_invariants()
@@ -283,7 +277,7 @@ class SlotAllocator:
         if not 0 <= target <= capacity or not 0 <= active <= capacity:
             problems.append(f"target {target}, active {active}, capacity {capacity}")
         handles = len(self._slots)
-        if handles != (capacity if self._make_handles else active):
+        if handles != active:
             problems.append(f"{handles} slot handles for a high-water mark of {active}")
         slots = self._slots[:active]  # ids above it were never handed out
         if any(slot.slot_id != i for i, slot in enumerate(slots)):

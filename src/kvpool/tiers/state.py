@@ -22,9 +22,9 @@ class StorageState:
     def __init__(self, levels: Sequence[LevelStorage]) -> None:
         self.levels = list(levels)
         self._last_level = len(self.levels) - 1
-        # Freed Page objects, reused for new pages: no garbage per page in the hot loop (nothing
-        # keeps a freed page). Records for the GPU level's slots are made now.
-        self._spare_pages = [Page(None, 0, 0, 0) for _ in range(sum(self.levels[0].slot_counts))]
+        # Freed Page objects, reused for new pages: no garbage per page in the hot loop once as
+        # many pages have lived at once as ever will (nothing keeps a freed page).
+        self._spare_pages: list[Page] = []
         self.allocators = [[group.allocator for group in level.pool_groups] for level in levels]
         self.queues = [[EvictionQueue() for _ in level.pool_groups] for level in self.levels]
         # The page in each occupied slot, per level and pool group.
