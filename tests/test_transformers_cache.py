@@ -284,7 +284,9 @@ def test_bad_calls_are_refused_by_name_and_a_failed_generate_leaves_nothing_open
     cache.prepare(ids)
     with pytest.raises(LogicError, match="call finish"):
         cache.prepare(ids)
-    cache.reset()
+    with pytest.raises(ArgumentError, match=r"sequences\[0\] is invalid: must begin with"):
+        cache.finish(torch.tensor([[1, 2, 4, 0, 9]]))  # not this row's prompt: nothing committed
+    assert manager.num_open_kv_caches == 0 and manager.probe_reuse(None, [1, 2, 4]) == 0
 
     def broken(*args, **kwargs):
         raise KeyboardInterrupt

@@ -195,7 +195,6 @@ class KVPoolCache(Cache):
         self._slots: dict[int, torch.Tensor] = {}
         self._offsets = self._padding = torch.zeros((0, 0), dtype=torch.int64)
         self._views: dict[tuple[int, str], torch.Tensor] = {}
-        self._token_bytes: int | None = None
 
     # -- rows ------------------------------------------------------------------------------------
 
@@ -310,6 +309,12 @@ class KVPoolCache(Cache):
                 continue
             if outputs is not None:
                 tokens = [int(t) for t in outputs[index, pad:].tolist()]
+                prompt = self.prompts[self.sources[index]]
+                if tokens[: len(prompt)] != prompt:
+                    raise ArgumentError(
+                        f"sequences[{index}] is invalid: must begin with its row's prompt (what "
+                        "generate returned for the input_ids given to prepare())"
+                    )
             else:
                 tokens = self.prompts[self.sources[index]]
             written = min(columns - pad, len(tokens))
