@@ -12,11 +12,15 @@
     requests admitted in the same step share them too); then every running request commits the
     token it was given last step; a request that produced its 128 tokens is closed.
     Hit tokens count full 16-token blocks only (`enable_partial_reuse=False`), as vLLM's do.
-    Layouts: `full` (one full-attention layer), `hybrid` (sliding-window layers + a full one,
-    two pool groups), `tiers` (`full` with a host level and a disk level under the GPU).
+    Layouts: `full` (one full-attention layer), `hybrid` (sliding-window layers with 16 sink
+    tokens + a full one, two pool groups), `tiers` (`full` with a host level and a disk level
+    under the GPU).
+(c) the requests and driving of (b) on the peers' hybrid model (`HYBRID_PATTERN` of
+    workload.py: five sliding-window layers of `HYBRID_WINDOW` tokens, no sinks, and one full
+    layer), `PREFIX_POOL_BLOCKS` slots per pool group: layout `c`, reported as "c".
 
 Prints JSON: medians over `--runs`, per-run values under `runs`.
-Run: python benchmarks/bench_manager.py [--workloads a,b] [--layouts full,hybrid,tiers]
+Run: python benchmarks/bench_manager.py [--workloads a,b,c] [--layouts full,hybrid,tiers]
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ from kvpool import (
     KVCacheManagerConfig,
     KVEventsConfig,
 )
+from kvpool.layout import KVLayout
 from kvpool.replay.prefix import exact_block_config
 from kvpool.storage.slots import SlotAllocator
 
 DEFAULT_PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "peers"
 WARMUP_CYCLES = 20
-LAYOUTS = ("full", "hybrid", "tiers")
+LAYOUTS = ("full", "hybrid", "tiers", "c")
 
 
 def load_workload_module(peers_dir: Path) -> Any:
@@ -99,8 +104,11 @@ def churn(pool_blocks: int, sizes: list[int], cycles: int) -> dict[str, dict[str
 # -- (b) scheduler cycle --------------------------------------------------------------------------
 
 
-def layout_config(layout: str, pool_blocks: int, disk_dir: str) -> KVCacheManagerConfig:
-    """A manager whose full-attention pool group has exactly `pool_blocks` GPU slots."""
+def layout_config(
+    layout: str, pool_blocks: int, disk_dir: str, workload: Any = None
+) -> KVCacheManagerConfig:
+    """A manager whose full-attention pool group has exactly `pool_blocks` GPU slots (layout
+    `c`: the peers' hybrid model from `workload`, the peers' workload module)."""
     base = exact_block_config(pool_blocks, 16)
     if layout == "full":
         config = base
@@ -134,6 +142,28 @@ def layout_config(layout: str, pool_blocks: int, disk_dir: str) -> KVCacheManage
             max_util_for_resume=1.0,
             initial_pool_ratio=[1 / 6, 5 / 6],  # bytes: equal slot counts
         )
+    elif layout == "c":
+        # The peers' pattern, every layer with the same bytes per token; one pool group for the
+        # window layers (a slot holds all of them), one for the full layers, equal slot counts.
+        (full_layer,) = base.layers
+        size = full_layer.buffers[0].size
+        kinds = workload.HYBRID_PATTERN
+        layers = [
+            AttentionLayerConfig(
+                layer,
+                [BufferConfig("kv", size)],
+                sliding_window_size=workload.HYBRID_WINDOW if kind == "window" else None,
+            )
+            for layer, kind in enumerate(kinds)
+        ]
+        slot_bytes = [group.slot_bytes for group in KVLayout(layers, 16).pool_groups]
+        config = KVCacheManagerConfig(
+            16,
+            [GpuCacheTierConfig(base.cache_tiers[0].quota * len(kinds))],
+            layers,
+            max_util_for_resume=1.0,
+            initial_pool_ratio=[n / sum(slot_bytes) for n in slot_bytes],  # equal slot counts
+        )
     else:
         raise SystemExit(f"--layouts: unknown layout {layout!r} (choose from {LAYOUTS})")
     return KVCacheManagerConfig(
@@ -163,11 +193,13 @@ def scheduler_cycle(
     decode_len: int,
     kv_events: bool = False,
     eviction_policy: str | None = None,
+    workload: Any = None,
 ) -> dict[str, Any]:
-    """Workload (b); with `kv_events`, the manager publishes KV events (flushed every step);
-    `eviction_policy`: the manager's (None: its default)."""
+    """Workload (b) (layout `c`: workload (c), from `workload`, the peers' module); with
+    `kv_events`, the manager publishes KV events (flushed every step); `eviction_policy`: the
+    manager's (None: its default)."""
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as disk_dir:
-        config = layout_config(layout, pool_blocks, disk_dir)
+        config = layout_config(layout, pool_blocks, disk_dir, workload)
         if eviction_policy is not None:
             config = dataclasses.replace(config, eviction_policy=eviction_policy)
         if kv_events:
@@ -261,6 +293,7 @@ def cycle_variants(
                         workload.PREFIX_POOL_BLOCKS,
                         workload.MAX_BATCH,
                         prefix.params["decode_len"],
+                        workload=workload,
                         **options,
                     )
                 )
@@ -302,17 +335,22 @@ def main() -> None:
     if "a" in workloads:
         for result in runs:
             result["a"] = churn(workload.CHURN_POOL_BLOCKS, sizes, args.churn_iters)
-    if "b" in workloads:
-        for layout in layouts:
+    cycles = [layout for layout in layouts if layout != "c"] if "b" in workloads else []
+    if "c" in workloads or "c" in layouts:
+        cycles.append("c")
+    if cycles:
+        for layout in cycles:
             for result in runs:
-                result["b" if layout == "full" else f"b_{layout}"] = scheduler_cycle(
+                key = {"full": "b", "c": "c"}.get(layout, f"b_{layout}")
+                result[key] = scheduler_cycle(
                     prefix.requests,
                     layout,
                     workload.PREFIX_POOL_BLOCKS,
                     workload.MAX_BATCH,
                     prefix.params["decode_len"],
+                    workload=workload,
                 )
-            print(f"[kvpool] {args.runs} run(s) of b ({layout}) done", file=sys.stderr, flush=True)
+            print(f"[kvpool] {args.runs} run(s) of {key} done", file=sys.stderr, flush=True)
     report = {key: median_tree([run[key] for run in runs]) for key in runs[0]}
     text = json.dumps({"peer": "kvpool", "medians": report, "runs": runs}, indent=1)
     print(text)

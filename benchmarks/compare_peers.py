@@ -3,7 +3,9 @@
 Builds the peers' virtual environment if needed (../shared/bench/peers/setup.sh, ~4 min once),
 runs their harness (peer_bench.py, in that environment) and benchmarks/bench_manager.py (in this
 one) with the same sizes and number of runs, and prints the ratios kvpool / peer of the medians:
-below 1 means kvpool is faster. (b) also checks that kvpool's prefix hit tokens equal vLLM's.
+below 1 means kvpool is faster. (b) also checks that kvpool's prefix hit tokens equal vLLM's;
+(c), the hybrid model, compares against vLLM with two KV cache groups and with the six groups
+its planner makes, and against SGLang's UnifiedRadixCache.
 
 Run: python benchmarks/compare_peers.py [--runs 3] [--quick] [--out results.json]
 """
@@ -52,6 +54,8 @@ def main() -> None:
                 str(args.peers_dir / "peer_bench.py"),
                 "--runs",
                 str(runs),
+                "--workloads",
+                "a,b,c",
                 *sizes,
                 "--out",
                 f"{tmp}/peers.json",
@@ -64,6 +68,8 @@ def main() -> None:
                 str(HERE / "bench_manager.py"),
                 "--runs",
                 str(runs),
+                "--workloads",
+                "a,b,c",
                 "--layouts",
                 "full,hybrid,tiers",
                 "--peers-dir",
@@ -106,6 +112,24 @@ def main() -> None:
         )
     same = vllm.get("b", {}).get("prefix_hit_tokens") == kv["b"]["prefix_hit_tokens"]
     lines.append(f"hit tokens equal to vLLM's: {same}")
+    lines.append("")
+    lines.append(
+        "(c) hybrid model (5 window layers + 1 full): total seconds, hit tokens, kvpool / peer"
+    )
+    ours_c = kv["c"]
+    for name, result in [
+        ("vLLM 2 groups", vllm.get("c")),
+        ("vLLM 6 groups", vllm.get("c_6groups")),
+        ("SGLang", sglang.get("c")),
+    ]:
+        if result:
+            lines.append(
+                f"{name:>14} {result['total_wall_s']:7.3f} s {result['prefix_hit_tokens']:>10,}"
+                f"   kvpool / {name}: {ratio(ours_c['total_wall_s'], result['total_wall_s'])}"
+            )
+    lines.append(
+        f"{'kvpool':>14} {ours_c['total_wall_s']:7.3f} s {ours_c['prefix_hit_tokens']:>10,}"
+    )
     print("\n".join(lines))
     if args.out:
         Path(args.out).write_text(json.dumps({"peers": peers, "kvpool": ours}, indent=1) + "\n")

@@ -17,7 +17,7 @@ def test_bench_manager_runs_the_peer_workloads_and_hits_like_vllm():
     command = [
         sys.executable,
         str(ROOT / "benchmarks" / "bench_manager.py"),
-        *("--runs", "1", "--num-requests", "24", "--churn-iters", "5"),
+        *("--runs", "1", "--num-requests", "24", "--churn-iters", "5", "--workloads", "a,b,c"),
         *("--churn-sizes", "10,100", "--layouts", "full,hybrid,tiers"),
     ]
     env = dict(os.environ, KVPOOL_DEBUG="1")  # the benchmark turns the checker off itself
@@ -31,13 +31,14 @@ def test_bench_manager_runs_the_peer_workloads_and_hits_like_vllm():
     finally:
         sys.path.remove(str(PEERS))
     requests = workload.make_prefix_workload(num_requests=24)
-    for key in ("b", "b_hybrid", "b_tiers"):
+    for key in ("b", "b_hybrid", "b_tiers", "c"):
         result = report[key]
         assert result["request_steps"] == 24 * requests.params["decode_len"]
         # vLLM's hits on this workload: full blocks of every prefix seen before, never the last
         # prompt token (a pool of 32,768 blocks evicts nothing for 24 requests).
         assert result["prefix_hit_tokens"] == requests.ideal_hit_tokens() > 0
     assert report["b_tiers"]["slots_per_level"] == [[32768], [32768], [65536]]
+    assert report["c"]["slots_per_level"] == [[32768, 32768]]  # (window group, full group)
 
 
 @pytest.mark.skipif(not (PEERS / "workload.py").is_file(), reason="needs ../shared/bench/peers")
