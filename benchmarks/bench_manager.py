@@ -14,7 +14,7 @@
     Hit tokens count full 16-token blocks only (`enable_partial_reuse=False`), as vLLM's do.
     Layouts: `full` (one full-attention layer), `hybrid` (sliding-window layers with 16 sink
     tokens + a full one, two pool groups), `tiers` (`full` with a host level and a disk level
-    under the GPU).
+    under the GPU), `lru` (`full` under the LRU eviction policy instead of the default one).
 (c) the requests and driving of (b) on the peers' hybrid model (`HYBRID_PATTERN` of
     workload.py: five sliding-window layers of `HYBRID_WINDOW` tokens, no sinks, and one full
     layer), `PREFIX_POOL_BLOCKS` slots per pool group: layout `c`, reported as "c".
@@ -55,7 +55,7 @@ from kvpool.storage.slots import SlotAllocator
 
 DEFAULT_PEERS = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "peers"
 WARMUP_CYCLES = 20
-LAYOUTS = ("full", "hybrid", "tiers", "c")
+LAYOUTS = ("full", "hybrid", "tiers", "lru", "c")
 
 
 def load_workload_module(peers_dir: Path) -> Any:
@@ -344,11 +344,12 @@ def main() -> None:
                 key = {"full": "b", "c": "c"}.get(layout, f"b_{layout}")
                 result[key] = scheduler_cycle(
                     prefix.requests,
-                    layout,
+                    "full" if layout == "lru" else layout,
                     workload.PREFIX_POOL_BLOCKS,
                     workload.MAX_BATCH,
                     prefix.params["decode_len"],
                     workload=workload,
+                    eviction_policy="lru" if layout == "lru" else None,
                 )
             print(f"[kvpool] {args.runs} run(s) of {key} done", file=sys.stderr, flush=True)
     report = {key: median_tree([run[key] for run in runs]) for key in runs[0]}

@@ -71,7 +71,7 @@ def main() -> None:
                 "--workloads",
                 "a,b,c",
                 "--layouts",
-                "full,hybrid,tiers",
+                "full,hybrid,tiers,lru",
                 "--peers-dir",
                 str(args.peers_dir),
                 *sizes,
@@ -101,7 +101,12 @@ def main() -> None:
                 f"{name:>14} {result['total_wall_s']:7.3f} s {result['us_per_step_per_request']:7.2f} us"
                 f" {result['prefix_hit_tokens']:>10,}"
             )
-    for key, label in [("b", "kvpool"), ("b_hybrid", "kvpool hybrid"), ("b_tiers", "kvpool tiers")]:
+    for key, label in [
+        ("b", "kvpool"),
+        ("b_hybrid", "kvpool hybrid"),
+        ("b_tiers", "kvpool tiers"),
+        ("b_lru", "kvpool lru"),
+    ]:
         result = kv[key]
         lines.append(
             f"{label:>14} {result['total_wall_s']:7.3f} s {result['us_per_step_per_request']:7.2f} us"

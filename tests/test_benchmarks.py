@@ -18,7 +18,7 @@ def test_bench_manager_runs_the_peer_workloads_and_hits_like_vllm():
         sys.executable,
         str(ROOT / "benchmarks" / "bench_manager.py"),
         *("--runs", "1", "--num-requests", "24", "--churn-iters", "5", "--workloads", "a,b,c"),
-        *("--churn-sizes", "10,100", "--layouts", "full,hybrid,tiers"),
+        *("--churn-sizes", "10,100", "--layouts", "full,hybrid,tiers,lru"),
     ]
     env = dict(os.environ, KVPOOL_DEBUG="1")  # the benchmark turns the checker off itself
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
@@ -31,7 +31,7 @@ def test_bench_manager_runs_the_peer_workloads_and_hits_like_vllm():
     finally:
         sys.path.remove(str(PEERS))
     requests = workload.make_prefix_workload(num_requests=24)
-    for key in ("b", "b_hybrid", "b_tiers", "c"):
+    for key in ("b", "b_hybrid", "b_tiers", "b_lru", "c"):
         result = report[key]
         assert result["request_steps"] == 24 * requests.params["decode_len"]
         # vLLM's hits on this workload: full blocks of every prefix seen before, never the last

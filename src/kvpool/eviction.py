@@ -227,9 +227,17 @@ class ClassedQueue(EvictionQueue):
             classed += 1
         self._classed -= classed
         self._len -= classed
-        if interior:
+        if interior:  # a parent set aside is a leaf now: back to the head of its list
             for page in pages:
-                self._expose_parent(page)
+                block = page.block
+                parent = block.parent if block is not None else None
+                if parent is not None:
+                    above = parent[page.layer_group]
+                    if above is not None and above in interior:
+                        del interior[above]
+                        head = lists[above.klass]
+                        head[above] = None
+                        head.move_to_end(above, last=False)  # (it was the oldest there)
 
     def pop(self) -> Page:
         victims = self.oldest(1)
@@ -268,15 +276,6 @@ class ClassedQueue(EvictionQueue):
                 del self._interior[above]
                 return above
         return None
-
-    def _expose_parent(self, page: Page) -> None:
-        """If `page`'s parent page was set aside, back to the head of its list (it was the
-        oldest there)."""
-        above = self._parent_aside(page)
-        if above is not None:
-            pages = self._classes[above.klass]
-            pages[above] = None
-            pages.move_to_end(above, last=False)
 
     def _take_classed(self, count: int) -> list[Page]:
         """The next `count` classed pages to evict, as the policy scores them (left queued).
