@@ -190,13 +190,20 @@ class SlotAllocator:
         # File each id as recycled or overflow, in order: whether its last use is done changes
         # only whether the next owner has an event to wait on, never which id it gets.
         target, recycled = self._target, self._recycled
-        for slot in slots:
-            if ready_event is not None:
-                slot.ready_event = ready_event
-            event = slot.ready_event
-            if event is not None and event.is_set():
-                slot.ready_event = None
-            (self._overflow if slot.slot_id >= target else recycled).append(slot)
+        if ready_event is None and active <= target:  # the usual case: every id is recycled
+            for slot in slots:
+                event = slot.ready_event
+                if event is not None and event.is_set():
+                    slot.ready_event = None
+            recycled.extend(slots)
+        else:
+            for slot in slots:
+                if ready_event is not None:
+                    slot.ready_event = ready_event
+                event = slot.ready_event
+                if event is not None and event.is_set():
+                    slot.ready_event = None
+                (self._overflow if slot.slot_id >= target else recycled).append(slot)
         self._num_occupied -= len(slots)
         if _debug.DEBUG:
             self.check_invariants()
