@@ -396,6 +396,24 @@ def test_release_uses_the_slots_own_ready_event():
     assert handed_back.slot_id == 0 and handed_back.ready_event is slot.ready_event
 
 
+@pytest.mark.parametrize("shrinking", [False, True])
+def test_a_finished_event_is_dropped_on_release_and_a_running_one_kept(shrinking):
+    # The owners' own events, in one batch: the usual path (no event given, no shrink) and the
+    # general one (a shrink scheduled below an id) must agree.
+    allocator = SlotAllocator(8)
+    slots = allocator.allocate_multiple(4)
+    done, running = threading.Event(), threading.Event()
+    done.set()
+    slots[1].ready_event, slots[2].ready_event = done, running
+    if shrinking:
+        allocator.prepare_for_shrink(3)  # id 3 goes to overflow
+    allocator.release_multiple(slots)
+    assert [slot.ready_event for slot in slots] == [None, None, running, None]
+    assert allocator.num_overflow_slots == (1 if shrinking else 0)
+    again = allocator.allocate_multiple(3)  # recycled in release order, whatever the events
+    assert [slot.slot_id for slot in again] == [0, 1, 2]
+
+
 def test_is_occupied_bounds():
     allocator = SlotAllocator(3)
     allocator.allocate_multiple(3)

@@ -174,6 +174,7 @@ class SlotAllocator:
     ) -> None:
         """`release` each slot; all or nothing (a bad slot raises before any is released)."""
         own, active = self._slots, self._num_active
+        waiting: list[Slot] = []  # the slots with a ready event (few: most copies are done)
         try:
             for index, slot in enumerate(slots):
                 slot_id = slot.slot_id
@@ -182,6 +183,8 @@ class SlotAllocator:
                         earlier.released = False
                     self._refuse_release(slot, slots)
                 slot.released = True  # also catches a slot given twice
+                if slot.ready_event is not None:
+                    waiting.append(slot)
         except AttributeError:  # not a slot handle: undo the slots before it
             bad = next(i for i, slot in enumerate(slots) if not isinstance(slot, Slot))
             for earlier in slots[:bad]:
@@ -191,7 +194,7 @@ class SlotAllocator:
         # only whether the next owner has an event to wait on, never which id it gets.
         target, recycled = self._target, self._recycled
         if ready_event is None and active <= target:  # the usual case: every id is recycled
-            for slot in slots:
+            for slot in waiting:
                 event = slot.ready_event
                 if event is not None and event.is_set():
                     slot.ready_event = None
