@@ -1,6 +1,8 @@
 """SlotAllocator: allocation, release, scheduled shrink and expand (DESIGN sections 3-4)."""
 
+import random
 import threading
+from collections import deque
 
 import pytest
 from hypothesis import settings
@@ -10,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvpool import _debug
 from kvpool.errors import ArgumentError, CorruptedError, LogicError, OutOfPagesError
 from kvpool.storage import SlotAllocator
+from kvpool.storage import slots as slots_module
 
 
 def test_debug_checks_are_on():
@@ -213,6 +216,33 @@ def test_recycled_ids_are_reused_first_in_fifo_order():
     allocator.release(slots[2])
     allocator.release(slots[0])
     assert [allocator.allocate().slot_id for _ in range(3)] == [2, 0, 4]
+
+
+def test_fifo_order_holds_across_the_recycled_lists_compaction():
+    """The recycled handles are a list read from a head index and cut now and then: ids come
+    back in release order across the cuts, and the list stays bounded."""
+    rng = random.Random(5)
+    allocator = SlotAllocator(4000)
+    held = allocator.allocate_multiple(3000)
+    model: deque[int] = deque()  # free recycled ids, longest free first
+    compactions = 0
+    for _ in range(3000):
+        rng.shuffle(held)
+        if held and rng.random() < 0.5:
+            count = rng.randint(1, min(40, len(held)))
+            going, held = held[:count], held[count:]
+            allocator.release_multiple(going)
+            model.extend(slot.slot_id for slot in going)
+        count = rng.randint(0, min(30, len(model)))
+        head_before = allocator._head
+        taken = allocator.allocate_multiple(count)
+        assert [slot.slot_id for slot in taken] == [model.popleft() for _ in range(count)]
+        compactions += allocator._head < head_before and bool(model)  # (not: took them all)
+        held += taken
+        assert len(allocator._recycled) <= 2 * len(model) + slots_module.COMPACT_AFTER + 40
+        assert allocator.num_free_slots == len(model) + 1000
+    assert compactions > 10  # (the cut really happened)
+    allocator.check_invariants()
 
 
 def test_hand_out_order_does_not_depend_on_copy_timing():

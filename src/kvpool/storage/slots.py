@@ -20,7 +20,6 @@ owners must drop it when they release (pages do).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from typing import NoReturn, Protocol
 
@@ -29,6 +28,8 @@ import numpy as np
 from kvpool import _debug
 from kvpool.errors import ArgumentError, CorruptedError, LogicError, OutOfPagesError
 from kvpool.validation import check_int
+
+COMPACT_AFTER = 256  # handed-out recycled handles kept before the list is cut (see `_head`)
 
 
 class ReadyEvent(Protocol):
@@ -66,9 +67,12 @@ class SlotAllocator:
         self._capacity = capacity
         self._target = capacity
         self._num_active = 0
-        # Free slots, as their handles: recycled (FIFO) and overflow (at or above the target
+        # Free slots, as their handles: recycled (FIFO: `_recycled[_head:]`, the longest free
+        # first; taking a slice and cutting off the taken part now and then is several times
+        # cheaper than popping handles one by one) and overflow (at or above the target
         # capacity of a shrink).
-        self._recycled: deque[Slot] = deque()
+        self._recycled: list[Slot] = []
+        self._head = 0
         self._overflow: list[Slot] = []
         self._slots: list[Slot] = []  # the handle of each id below the high-water mark
         self._num_occupied = 0
@@ -92,7 +96,7 @@ class SlotAllocator:
     @property
     def num_free_slots(self) -> int:
         """Slots `allocate()` can hand out now (ids below the target capacity)."""
-        return len(self._recycled) + max(self._target - self._num_active, 0)
+        return len(self._recycled) - self._head + max(self._target - self._num_active, 0)
 
     @property
     def num_occupied_slots(self) -> int:
@@ -129,30 +133,32 @@ class SlotAllocator:
             raise OutOfPagesError(
                 f"no free slot: all {self._target} slots below the target capacity are occupied"
             )
-        return self._take(1)[0]
+        return self.allocate_multiple(1)[0]
 
     def allocate_multiple(self, count: int) -> list[Slot]:
         """`count` slots, in `allocate()` order, or `OutOfPagesError` and nothing allocated."""
         if type(count) is not int or count < 0:
             check_int("count", count, 0)
-        free = len(self._recycled) + max(self._target - self._num_active, 0)
-        if count > free:  # (`num_free_slots`, inlined)
-            raise OutOfPagesError(f"need {count} free slots, only {free} are free")
-        return self._take(count)
-
-    def _take(self, count: int) -> list[Slot]:
-        """Hand out `count` ids (the caller checked that they are free), one batch at a time."""
-        recycled = self._recycled
-        if count == 1 and recycled:
-            taken = [recycled.popleft()]
-        elif count < len(recycled):
-            popleft = recycled.popleft
-            taken = [popleft() for _ in range(count)]
-        else:
-            taken = list(recycled)
-            recycled.clear()
-            if count > len(taken):
-                fresh = min(count - len(taken), self._target - self._num_active)
+        recycled, head = self._recycled, self._head
+        available = len(recycled) - head
+        if count > available + max(self._target - self._num_active, 0):  # `num_free_slots`
+            raise OutOfPagesError(f"need {count} free slots, only {self.num_free_slots} are free")
+        if count < available:
+            end = head + count
+            taken = recycled[head:end]
+            if end >= COMPACT_AFTER and 2 * end >= len(recycled):  # amortized O(1) per slot
+                del recycled[:end]
+                end = 0
+            self._head = end
+        else:  # every recycled id, then fresh ones
+            if head:
+                taken = recycled[head:]
+                recycled.clear()
+            else:  # (the list itself: no copy)
+                taken, self._recycled = recycled, []
+            self._head = 0
+            if count > available:
+                fresh = count - available
                 first = self._num_active
                 if len(self._slots) < first + fresh:
                     self._slots += map(Slot, range(len(self._slots), first + fresh))
@@ -173,27 +179,28 @@ class SlotAllocator:
         self, slots: Sequence[Slot], ready_event: ReadyEvent | None = None
     ) -> None:
         """`release` each slot; all or nothing (a bad slot raises before any is released)."""
-        own, active = self._slots, self._num_active
+        own = self._slots
         waiting: list[Slot] = []  # the slots with a ready event (few: most copies are done)
         try:
-            for index, slot in enumerate(slots):
-                slot_id = slot.slot_id
-                if slot.released or slot_id >= active or own[slot_id] is not slot:
-                    for earlier in slots[:index]:
-                        earlier.released = False
+            # Checked before anything changes (an id beyond the handles raises IndexError),
+            # then marked, where a slot given twice is found released.
+            for slot in slots:
+                if slot.released or own[slot.slot_id] is not slot:
                     self._refuse_release(slot, slots)
-                slot.released = True  # also catches a slot given twice
+            for slot in slots:
+                if slot.released:
+                    for each in slots:  # (none was released before)
+                        each.released = False
+                    self._refuse_release(slot, slots)
+                slot.released = True
                 if slot.ready_event is not None:
                     waiting.append(slot)
-        except AttributeError:  # not a slot handle: undo the slots before it
-            bad = next(i for i, slot in enumerate(slots) if not isinstance(slot, Slot))
-            for earlier in slots[:bad]:
-                earlier.released = False
-            self._refuse_release(slots[bad], slots)
+        except (AttributeError, IndexError, TypeError):  # not a handle of this allocator
+            self._refuse_release(next(s for s in slots if not self._is_own(s)), slots)
         # File each id as recycled or overflow, in order: whether its last use is done changes
         # only whether the next owner has an event to wait on, never which id it gets.
         target, recycled = self._target, self._recycled
-        if ready_event is None and active <= target:  # the usual case: every id is recycled
+        if ready_event is None and self._num_active <= target:  # usual: every id is recycled
             for slot in waiting:
                 event = slot.ready_event
                 if event is not None and event.is_set():
@@ -211,14 +218,27 @@ class SlotAllocator:
         if _debug.DEBUG:
             self.check_invariants()
 
+    def _is_own(self, slot: object) -> bool:
+        """`slot` is one of this allocator's handles."""
+        if not isinstance(slot, Slot):
+            return False
+        slot_id = slot.slot_id
+        return (
+            type(slot_id) is int
+            and 0 <= slot_id < len(self._slots)
+            and self._slots[slot_id] is slot
+        )
+
     def _refuse_release(self, slot: Slot, slots: Sequence[Slot]) -> NoReturn:
         if not isinstance(slot, Slot):
             raise ArgumentError(f"slot={slot!r} is invalid: must be a Slot of this allocator")
+        if not self._is_own(slot):
+            raise LogicError(
+                f"{slot!r} is not a slot of this allocator (capacity {self._capacity})"
+            )
         if sum(other is slot for other in slots) > 1:
             raise LogicError(f"slot {slot.slot_id} is given twice")
-        if slot.released:
-            raise LogicError(f"slot {slot.slot_id} was already released")
-        raise LogicError(f"{slot!r} is not a slot of this allocator (capacity {self._capacity})")
+        raise LogicError(f"slot {slot.slot_id} was already released")
 
     # -- resizing --------------------------------------------------------------------------------
 
@@ -228,10 +248,10 @@ class SlotAllocator:
         if self.shrink_in_progress:
             raise LogicError(f"a shrink to {self._target} is already in progress")
         check_int("new_capacity", new_capacity, 0, self._capacity - 1)
-        kept: deque[Slot] = deque()
-        for slot in self._recycled:
+        kept: list[Slot] = []
+        for slot in self._recycled[self._head :]:
             (kept if slot.slot_id < new_capacity else self._overflow).append(slot)
-        self._recycled = kept
+        self._recycled, self._head = kept, 0
         self._target = new_capacity
         if _debug.DEBUG:
             self.check_invariants()
@@ -297,7 +317,8 @@ class SlotAllocator:
             problems.append(
                 f"occupied count {self._num_occupied} != handles {np.count_nonzero(occupied)}"
             )
-        recycled = np.array([slot.slot_id for slot in self._recycled], dtype=np.int64)
+        free_recycled = self._recycled[self._head :]
+        recycled = np.array([slot.slot_id for slot in free_recycled], dtype=np.int64)
         overflow = np.array([slot.slot_id for slot in self._overflow], dtype=np.int64)
         if recycled.size and (recycled.min() < 0 or recycled.max() >= min(target, active)):
             problems.append("a recycled id is outside [0, min(target, high-water))")
