@@ -384,27 +384,29 @@ class ClassedQueue(EvictionQueue):
         are leaves last used at `used_at`, up to `count` pages or a parent set aside (which
         may be a leaf now). Returns the cursor's next page and that parent (or None)."""
         interior = self._interior
-        while page is not None and len(pages) < count:
+        append, add = pages.append, going.add
+        room = count - len(pages)
+        while page is not None and room:
             block = page.block
-            assert block is not None
-            if block.used_at != used_at:
+            if block.used_at != used_at:  # type: ignore[union-attr]  # (queued: committed)
                 break
-            group = page.layer_group
-            kids = block.kids
+            kids = block.kids  # type: ignore[union-attr]
             if kids is not None:
                 if isinstance(kids, dict):
                     if not _is_leaf(page, going):
                         break
-                elif (kid := kids[group]) is not None and kid not in going:
+                elif (kid := kids[page.layer_group]) is not None and kid not in going:
                     break
-            pages.append(page)
-            going.add(page)
-            parent = block.parent
-            above = parent[group] if parent is not None else None
+            append(page)
+            add(page)
+            room -= 1
+            if interior:  # (else no parent waits aside)
+                parent = block.parent  # type: ignore[union-attr]
+                above = parent[page.layer_group] if parent is not None else None
+                if above is not None and above in interior:
+                    del interior[above]
+                    return next(cursor, None), above
             page = next(cursor, None)
-            if above is not None and interior and above in interior:
-                del interior[above]
-                return page, above
         return page, None
 
     def _settle_batch(

@@ -171,9 +171,9 @@ class HazardPolicy(EvictionPolicy):
                 self._end(block, now, reused=True)
             elif not block.uses:  # new in the tree
                 new += 1
-                ghost = ghosts.pop(hash(block.key), None)
-                if ghost is not None:  # back after it was dropped
-                    used_at, uses = ghost
+                key = hash(block.key)
+                if key in ghosts:  # back after it was dropped (a test is cheaper than a pop)
+                    used_at, uses = ghosts.pop(key)
                     self._count(min(uses, CLASSES), now - used_at, reused=True)
                     block.uses = uses
             block.uses += 1
