@@ -198,3 +198,41 @@ def test_sliding_window_match_needs_only_the_window_and_sinks(setup):
     # window until 16 tokens (only the sink block needed).
     assert m.probe_reuse(None, tokens[:150]) == 16
     assert run_request(m, engine, tokens[:180], 176, reuse_expected=176) == 176
+
+
+@pytest.mark.parametrize("deepest_first", [True, False])
+def test_dropping_full_attention_pages_frees_the_window_pages_of_their_blocks(setup, deepest_first):
+    """A block that loses its full-attention page leaves the tree with its descendants; their
+    window pages (another pool group) are freed with them, in one release per pool group,
+    and come back in the order they were freed: the usual leaf path (deepest first) and the
+    subtree path (root first)."""
+    layers = [record_layer(0, TPB, window=32, sinks=4), record_layer(1, TPB, repeats=2)]
+    m, engine = setup(layers=layers)
+    assert m._context.layout.pool_group_of == [0, 1]  # window pages, full pages
+    tokens = list(range(300, 397))
+    cache = m.create_kv_cache(None, [])
+    assert cache.resume() and cache.resize(len(tokens))
+    engine.step(cache, tokens, tokens)  # (no decode steps: every window page stays cached)
+    cache.close()
+    chain = sorted(m._tree.blocks(), key=lambda block: block.ordinal)
+    window_pages = [block[0] for block in chain]
+    assert len(chain) == 7 and all(page is not None and page.queued for page in window_pages)
+    window = m._storage.allocators[0][0]
+    free_before = window.num_free_slots
+    releases = []
+    release_multiple = window.release_multiple
+    window.release_multiple = lambda slots, *rest: (
+        releases.append([slot.slot_id for slot in slots]),
+        release_multiple(slots, *rest),
+    )[1]
+    full_pages = [block[1] for block in chain]
+    m._storage.drop(full_pages[::-1] if deepest_first else full_pages)
+    assert not list(m._tree.blocks())
+    assert window.num_free_slots == free_before + 7
+    assert all(page.slot is None for page in window_pages)
+    assert len(releases) == 1 and sorted(releases[0]) == list(range(7))
+    if deepest_first:
+        assert releases[0] == list(range(6, -1, -1))
+    assert window._recycled[window._head :][-7:] == [window._slots[i] for i in releases[0]]
+    m.check_invariants()
+    assert run_request(m, engine, tokens + [1], len(tokens), reuse_expected=0) == 0

@@ -282,7 +282,7 @@ class RadixTree:
         Without a full-attention (or sink) page a block and all its descendants can never be
         reused again, so they go. Then childless blocks without any page are pruned upwards.
         """
-        orphans: Sequence[Page] = _NO_PAGES
+        orphans: list[Page] = []
         anchors, index, spare, tpb = (
             self._anchor_blocks,
             self.index,
@@ -304,8 +304,19 @@ class RadixTree:
                 self._prune_upwards(block)
                 continue
             parent = block.parent
-            if parent is not None and block.kids is None and not any(block):
-                # A leaf with nothing left, the usual LRU victim: `_unlink` and `_retire` inline.
+            if parent is not None and block.kids is None:
+                # A leaf, the usual victim: its other pages lost with it, `_unlink` and
+                # `_retire` inline.
+                if any(block):
+                    for other_group, other in enumerate(block):
+                        if other is not None:
+                            if events is not None:
+                                events.removed(block, other_group, other.level)
+                            other.block = None
+                            block[other_group] = None
+                            orphans.append(other)
+                            if lost_blocks is not None:
+                                lost_blocks.append(lost_block(block, tpb))
                 if parent.kids is block:
                     parent.kids = None
                 else:
@@ -319,11 +330,9 @@ class RadixTree:
                 if parent.kids is None and not any(parent):
                     self._prune_upwards(parent)
                 continue
-            lost: list[Page] = []
-            self._remove_subtree(block, lost, lost_blocks)
+            self._remove_subtree(block, orphans, lost_blocks)
             if parent is not None:
                 self._prune_upwards(parent)
-            orphans = [*orphans, *lost]
         return orphans
 
     def clear(self) -> list[Page]:

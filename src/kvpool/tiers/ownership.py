@@ -151,8 +151,30 @@ class Ownership(StorageState):
                 by_level.setdefault(page.level, []).append(page)
         orphans = [self._drop_group(level, group) for level, group in by_level.items()]
         for lost in orphans:
-            for orphan in lost:
-                self.settle(orphan)
+            self._settle_orphans(lost)
+
+    def _settle_orphans(self, pages: Sequence[Page]) -> None:
+        """`settle` pages that lost their block: the unowned ones are freed, one batch per
+        (level, pool group), in order (the ids are recycled in the same order)."""
+        unowned: dict[tuple[int, int], list[Page]] = {}
+        for page in pages:
+            if page.slot is not None and not page.locks and not page.holds:
+                unowned.setdefault((page.level, page.pool_group), []).append(page)
+            else:
+                self.settle(page)
+        for (level, pool_group), batch in unowned.items():
+            queued = [page for page in batch if page.queued]
+            if queued:
+                self.queues[level][pool_group].remove_all(queued)
+            registry, slots = self.pages[level][pool_group], []
+            for page in batch:
+                slot = page.slot
+                assert slot is not None and page.block is None, page
+                del registry[slot.slot_id]
+                slots.append(slot)
+                page.slot = None
+            self.allocators[level][pool_group].release_multiple(slots)
+            self._spare_pages += batch
 
     def _drop_group(self, level: int, pages: list[Page]) -> Sequence[Page]:
         """Drop queued pages of one pool group at `level`: out of their queue and the tree,
