@@ -93,6 +93,7 @@ class Growth(RequestState):
                 return False
             drop_own = True
         recycled: dict[int, list[Page]] = {}
+        unlocking: list[Page] = []  # (in one call: cached pages are queued in one batch)
         for g, index in releases:
             if index in recycle.get(g, ()):
                 page = self._pages[g][index]
@@ -100,7 +101,8 @@ class Growth(RequestState):
                 recycled.setdefault(g, []).append(page)  # keeps its slot and our lock
                 self._table.clear(g, index)
             else:
-                self._clear_page(g, index)
+                unlocking.append(self._table.clear(g, index))
+        storage.unlock_all(unlocking)
         for g in self._attention_groups:
             self._table.resize(g, new_blocks)
         if drop_own:

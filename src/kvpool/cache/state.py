@@ -196,9 +196,6 @@ class RequestState:
         """Put a page this request already owns into its table."""
         self._table.set(g, index, page)
 
-    def _clear_page(self, g: int, index: int) -> None:
-        self._ctx.storage.unlock(self._table.clear(g, index))  # only while ACTIVE (resize)
-
     def _require_open(self, operation: str) -> None:
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError(f"{operation}() on KV cache {self.id}, which is closed")
