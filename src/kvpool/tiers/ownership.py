@@ -85,13 +85,17 @@ class Ownership(StorageState):
             self._push_all(cached)
 
     def _push_all(self, pages: list[Page]) -> None:
+        """Queue GPU pages in their pool groups' queues, in order: one batch per queue."""
         queues = self.queues[0]
         pool_group = pages[0].pool_group
-        if all(page.pool_group == pool_group for page in pages):
+        if len(queues) == 1 or all(page.pool_group == pool_group for page in pages):
             queues[pool_group].push_all(pages)
-        else:
-            for page in pages:
-                queues[page.pool_group].push(page)
+            return
+        batches: dict[int, list[Page]] = {}
+        for page in pages:
+            batches.setdefault(page.pool_group, []).append(page)
+        for group, batch in batches.items():
+            queues[group].push_all(batch)
 
     def hold(self, page: Page) -> None:
         page.holds += 1
