@@ -156,6 +156,21 @@ def test_an_interrupt_while_picking_victims_leaves_the_queue_as_it_was():
     assert len(queue) == 8 and queue.oldest(8) == expected
 
 
+def test_pages_the_policy_does_not_class_keep_lru_order_in_a_batch():
+    """Pages classed 0 (here: uses 0, as before the policy has learned) and pages with engine
+    priorities go to the priority lists, in release order, whichever batch they came in."""
+    chain = [block(10 + i, uses=0) for i in range(4)]
+    classed = block(20, uses=1)
+    urgent = page_of(block(30, uses=1), priority=DEFAULT_PRIORITY - 10)
+    plain = [page_of(owner) for owner in chain]
+    queue = ClassedQueue(ScriptedPolicy({20: 0.0}), CLASSES)
+    queue.push_all([plain[0], urgent, plain[1], page_of(classed)])
+    queue.push_all([plain[2], plain[3]])
+    assert len(queue) == 6 and queue._num_classed() == 1
+    queue.check_invariants()
+    assert queue.oldest(5) == [urgent, *plain]  # (then the classed band, after default LRU)
+
+
 def test_a_page_removed_and_queued_again_goes_last_and_a_misplaced_one_is_found():
     first, second = block(1, uses=2, used_at=1.0), block(2, uses=2, used_at=2.0)
     pages = [page_of(first), page_of(second)]

@@ -181,9 +181,10 @@ class ClassedQueue(EvictionQueue):
 
     def push_all(self, pages: list[Page]) -> None:
         lists, classed = self._classes, 0
+        plain: list[Page] = []  # (the priority lists' pages: in order, in one batch)
         for page, klass in zip(pages, self.policy.classify_all(pages), strict=True):
             if not klass or page.priority != DEFAULT_PRIORITY:
-                super().push(page)
+                plain.append(page)
                 continue
             assert not page.queued, page
             page.klass = klass
@@ -192,6 +193,8 @@ class ClassedQueue(EvictionQueue):
             classed += 1
         self._classed += classed
         self._len += classed
+        if plain:
+            super().push_all(plain)
 
     def remove(self, page: Page) -> None:
         klass = page.klass
