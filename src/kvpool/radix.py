@@ -308,15 +308,7 @@ class RadixTree:
                 # A leaf, the usual victim: its other pages lost with it, `_unlink` and
                 # `_retire` inline.
                 if any(block):
-                    for other_group, other in enumerate(block):
-                        if other is not None:
-                            if events is not None:
-                                events.removed(block, other_group, other.level)
-                            other.block = None
-                            block[other_group] = None
-                            orphans.append(other)
-                            if lost_blocks is not None:
-                                lost_blocks.append(lost_block(block, tpb))
+                    self._detach_all(block, orphans, lost_blocks)
                 if parent.kids is block:
                     parent.kids = None
                 else:
@@ -353,7 +345,6 @@ class RadixTree:
     ) -> None:
         """Unlink `top` and everything below it (iteratively, leaf first); their pages go to
         `orphans` (and what their blocks were to `lost`, if given)."""
-        tpb, events = self._tokens_per_block, self.kv_events
         if top.parent is not None:
             self._unlink(top)
         elif self.roots.get(top.key) is top:
@@ -365,16 +356,24 @@ class RadixTree:
                 stack.extend(block.children)
                 block.kids = None
             if any(block):
-                for group, page in enumerate(block):
-                    if page is not None:
-                        if events is not None:
-                            events.removed(block, group, page.level)
-                        page.block = None
-                        block[group] = None
-                        orphans.append(page)
-                        if lost is not None:
-                            lost.append(lost_block(block, tpb))
+                self._detach_all(block, orphans, lost)
             self._retire(block)
+
+    def _detach_all(
+        self, block: Block, orphans: list[Page], lost: list[LostBlock | None] | None
+    ) -> None:
+        """Detach every page `block` still has (it is leaving the tree): they go to `orphans`,
+        and what the block was, once per page, to `lost` (if given)."""
+        events = self.kv_events
+        for group, page in enumerate(block):
+            if page is not None:
+                if events is not None:
+                    events.removed(block, group, page.level)
+                page.block = None
+                block[group] = None
+                orphans.append(page)
+                if lost is not None:
+                    lost.append(lost_block(block, self._tokens_per_block))
 
     def _unlink(self, block: Block) -> None:
         parent = block.parent
