@@ -170,15 +170,7 @@ class Ownership(StorageState):
             queued = [page for page in batch if page.queued]
             if queued:
                 self.queues[level][pool_group].remove_all(queued)
-            registry, slots = self.pages[level][pool_group], []
-            for page in batch:
-                slot = page.slot
-                assert slot is not None and page.block is None, page
-                del registry[slot.slot_id]
-                slots.append(slot)
-                page.slot = None
-            self.allocators[level][pool_group].release_multiple(slots)
-            self._spare_pages += batch
+            self._release_slots(level, pool_group, batch)
 
     def _drop_group(self, level: int, pages: list[Page]) -> Sequence[Page]:
         """Drop queued pages of one pool group at `level`: out of their queue and the tree,
@@ -189,6 +181,14 @@ class Ownership(StorageState):
             self.events.append(("drop", level, pool_group, tuple(page.slot_id for page in pages)))
         self.queues[level][pool_group].remove_all(pages)
         orphans = self.on_drop(pages)
+        self._release_slots(level, pool_group, pages)
+        self.num_dropped += len(pages)
+        self.num_dropped_at[level] += len(pages)
+        return orphans
+
+    def _release_slots(self, level: int, pool_group: int, pages: list[Page]) -> None:
+        """Free the slots of unowned pages (out of their queue) of one pool group at `level`, in
+        one release; the page records are kept for reuse."""
         registry = self.pages[level][pool_group]
         slots = []
         for page in pages:
@@ -199,9 +199,6 @@ class Ownership(StorageState):
             page.slot = None
         self._spare_pages += pages
         self.allocators[level][pool_group].release_multiple(slots)
-        self.num_dropped += len(pages)
-        self.num_dropped_at[level] += len(pages)
-        return orphans
 
     def _free(self, page: Page) -> None:
         slot = page.slot
