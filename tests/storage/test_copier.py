@@ -134,3 +134,42 @@ def test_small_copies_run_in_the_callers_thread_large_ones_in_workers(monkeypatc
     copier.copy(source.pool_groups[0], destination.pool_groups[0], [*PAIRS, (3, 30)]).check()
     assert len(threads) == 2 and threading.current_thread() not in threads
     copier.close()
+
+
+def test_a_large_host_copy_is_split_among_the_threads(monkeypatch):
+    source, destination = level(CacheTier.HOST), level(CacheTier.HOST)
+    monkeypatch.setattr(copier_module.os, "cpu_count", lambda: 4)
+    pairs = [(slot, 200 - slot) for slot in range(40)]  # destinations descending
+    fill(source.pool_groups[0], range(40), seed=7)
+    parts = []
+    real = copier_module._copy_pool
+
+    def recording(source_memory, destination_memory, size, part):
+        parts.append((size, list(part)))
+        real(source_memory, destination_memory, size, part)
+
+    monkeypatch.setattr(copier_module, "_copy_pool", recording)
+    # Pool 0 (256-byte slots) moves 10,240 bytes: 5 parts' worth, as many as 4 threads take;
+    # pool 1 (64-byte slots) moves 2,560: one part.
+    copier = Copier(inline_bytes=0, split_bytes=2048)
+    copier.copy(source.pool_groups[0], destination.pool_groups[0], pairs).check()
+    assert sorted((size, part[0][0], len(part)) for size, part in parts) == [
+        (64, 0, 40),
+        (256, 0, 10),
+        (256, 10, 10),
+        (256, 20, 10),
+        (256, 30, 10),
+    ]
+    check(source.pool_groups[0], destination.pool_groups[0], pairs, seed=7)
+
+    def failing_part(source_memory, destination_memory, size, part):
+        if part[0][0] == 20:
+            raise OSError(errno.EIO, "injected")
+        real(source_memory, destination_memory, size, part)
+
+    monkeypatch.setattr(copier_module, "_copy_pool", failing_part)
+    with pytest.raises(StorageError, match="injected"):
+        copier.copy(source.pool_groups[0], destination.pool_groups[0], pairs).check()
+    copier.close()
+    source.close()
+    destination.close()

@@ -14,18 +14,36 @@ from kvpool.storage.memory import cuda_available
 MiB = 1 << 20
 
 
-def resident_bytes(array):
-    """Resident bytes of the mapping that starts at `array`'s first byte (from /proc/self/smaps)."""
+def smaps_fields(array):
+    """The /proc/self/smaps fields of the mapping that starts at `array`'s first byte."""
     start = array.ctypes.data
+    fields = {}
     with open("/proc/self/smaps") as smaps:
         inside = False
         for line in smaps:
-            first = line.split()[0]
+            first, *rest = line.split()
             if "-" in first and ":" not in first:
+                if fields:
+                    break
                 inside = int(first.split("-")[0], 16) == start
-            elif inside and first == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("mapping not found in /proc/self/smaps")
+            elif inside:
+                fields[first.rstrip(":")] = rest
+    assert fields, "mapping not found in /proc/self/smaps"
+    return fields
+
+
+def resident_bytes(array):
+    """Resident bytes of the mapping that starts at `array`'s first byte."""
+    return int(smaps_fields(array)["Rss"][0]) * 1024
+
+
+def transparent_huge_pages():
+    """The kernel's THP mode ('always', 'madvise', 'never'), None without THP."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+            return mode.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
 
 
 def test_host_memory_keeps_data_below_the_cut_and_views_stay_valid():
@@ -67,6 +85,24 @@ def test_host_memory_shrink_returns_resident_memory():
     assert (memory.array[: 16 * MiB] == 7).all()
     memory.resize(0)
     assert resident_bytes(memory.array) < MiB
+    memory.close()
+
+
+@pytest.mark.skipif(
+    transparent_huge_pages() not in ("always", "madvise"), reason="no transparent huge pages"
+)
+def test_host_memory_asks_for_huge_pages_and_still_hands_memory_back():
+    memory = HostMemory(32 * MiB)
+    assert "hg" in smaps_fields(memory.array)["VmFlags"]  # MADV_HUGEPAGE on the reservation
+    memory.array[:] = 3
+    memory.resize(9 * MiB + 5)  # a cut inside a huge page: the kernel splits it
+    assert 9 * MiB <= resident_bytes(memory.array) <= 11 * MiB
+    assert (memory.array[: 9 * MiB + 5] == 3).all()
+    memory.resize(32 * MiB)
+    assert not memory.array[11 * MiB :].any()  # handed back, reads as zeros
+    small = HostMemory(MiB)  # under one huge page: left to the kernel's default
+    assert "hg" not in smaps_fields(small.array)["VmFlags"]
+    small.close()
     memory.close()
 
 

@@ -3,12 +3,14 @@
 Per pool, runs of consecutive slots become single copies: host<->host with numpy, host<->disk
 with pwritev/preadv (gathering or scattering the runs of the other side), GPU<->host with torch
 copies on a side stream when CUDA is present. Each pool's copy runs in a small thread pool, so the
-pools of a group (and the caller) proceed in parallel. A copy's `CopyEvent` is what the next user
+pools of a group (and the caller) proceed in parallel; a large host<->host copy of one pool is
+split among the threads too (one thread does not reach the memory bandwidth). A copy's `CopyEvent` is what the next user
 of its destination slots, and the next owner of its source slots, waits on.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -106,14 +108,22 @@ def _host_array(memory: Memory) -> Bytes | None:
 
 
 INLINE_COPY_BYTES = 64 << 10  # smaller copies run in the caller's thread
+SPLIT_COPY_BYTES = 8 << 20  # a host<->host copy of a pool is split into parts at least this big
 
 
 class Copier:
     """Runs batched slot copies in a small thread pool (small ones in the caller's thread)."""
 
-    def __init__(self, workers: int = 4, inline_bytes: int = INLINE_COPY_BYTES) -> None:
+    def __init__(
+        self,
+        workers: int = 4,
+        inline_bytes: int = INLINE_COPY_BYTES,
+        split_bytes: int = SPLIT_COPY_BYTES,
+    ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvpool-copy")
+        self._parts_per_copy = min(workers, os.cpu_count() or 1)
         self._inline_bytes = inline_bytes
+        self._split_bytes = split_bytes
 
     def copy(
         self, source: PoolGroup, destination: PoolGroup, pairs: Sequence[tuple[int, int]]
@@ -131,10 +141,22 @@ class Copier:
                 return CopyEvent([], error)
             return CopyEvent([])
         futures = [
-            self._pool.submit(_copy_pool, src_memory, dst_memory, size, pairs)
+            self._pool.submit(_copy_pool, src_memory, dst_memory, size, part)
             for src_memory, dst_memory, size in work
+            for part in self._parts(src_memory, dst_memory, size, pairs)
         ]
         return CopyEvent(futures)
+
+    def _parts(
+        self, source: Memory, destination: Memory, size: int, pairs: Sequence[tuple[int, int]]
+    ) -> list[Sequence[tuple[int, int]]]:
+        """`pairs` in consecutive parts for the threads: one part unless the copy is between
+        host memories and large (the parts touch disjoint slots: a destination is a free slot)."""
+        count = min(self._parts_per_copy, len(pairs) * size // self._split_bytes)
+        if count < 2 or _host_array(source) is None or _host_array(destination) is None:
+            return [pairs]
+        step = -(-len(pairs) // count)
+        return [pairs[start : start + step] for start in range(0, len(pairs), step)]
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

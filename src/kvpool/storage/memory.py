@@ -3,7 +3,9 @@
 Each pool of each level owns one `Memory` of `size` bytes that can be resized at run time:
 - `HostMemory` reserves address space once (anonymous private mmap), so growing only moves the
   logical end and views stay valid; shrinking hands the resident pages past the cut back to the
-  OS with madvise(MADV_DONTNEED).
+  OS with madvise(MADV_DONTNEED). The reservation asks for transparent huge pages
+  (MADV_HUGEPAGE, where the kernel offers them): a pool is touched and copied in large runs, and
+  2 MiB pages make first touch, copies and that hand-back several times cheaper than 4 KiB ones.
 - `DiskMemory` is an unlinked temporary file; growing reserves the disk blocks up front
   (posix_fallocate), so "disk full" surfaces at resize time, not in the middle of an eviction.
 - `DeviceMemory` is torch CUDA memory when a GPU is present, else host memory with the same
@@ -32,6 +34,7 @@ from kvpool.validation import check_int, is_int
 PAGE_SIZE = mmap.PAGESIZE
 # Not exported by Python 3.11's mmap module; the value is the same on every Linux architecture.
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+HUGE_PAGE_SIZE = 2 << 20  # a transparent huge page on x86-64 and (4 KiB-page) arm64
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -89,9 +92,11 @@ def available_host_memory() -> int | None:
 
 
 def _reserve(size: int) -> mmap.mmap:
-    """Anonymous private address space; MAP_NORESERVE: memory is committed only on touch."""
+    """Anonymous private address space; MAP_NORESERVE: memory is committed only on touch.
+    Reservations of a huge page or more ask for transparent huge pages (best effort: a kernel
+    without them, or with them off, keeps 4 KiB pages)."""
     try:
-        return mmap.mmap(
+        reserved = mmap.mmap(
             -1,
             max(size, 1),
             flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
@@ -107,6 +112,11 @@ def _reserve(size: int) -> mmap.mmap:
             f"cannot reserve {size} bytes ({size / 2**30:.1f} GiB) of host memory "
             f"({os.strerror(errno.ENOMEM)}); available: {shown}",
         ) from error
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and size >= HUGE_PAGE_SIZE:
+        with contextlib.suppress(OSError):  # EINVAL: a kernel built without them
+            reserved.madvise(advice)
+    return reserved
 
 
 class HostMemory(Memory):
