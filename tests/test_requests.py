@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from kvpool import GpuCacheTierConfig, KVCacheManager, KVCacheStatus, LogicError
+from kvpool.cache.growth import Growth
 from kvpool.errors import ArgumentError
 from tests.engine_check import CheckingEngine
 from tests.helpers import MiB, hybrid_layers, make_config, record_layer, shutdown
@@ -255,6 +256,45 @@ def test_ids(manager):
     assert m.num_open_kv_caches == 2
     a.close()
     assert m.create_kv_cache(id=7).id == 7
+
+
+def test_blocks_a_prefill_left_out_of_the_window_go_at_the_next_resize_oldest_first(
+    manager, monkeypatch
+):
+    """After a prefill's commit the history has passed the window: the next resize that needs
+    no new block releases every stale block but the sinks, in one run, oldest first in the
+    eviction queue, and moves the window check past them (the next resize releases nothing)."""
+    tpb = 16
+    m = manager(
+        layers=hybrid_layers(tpb, window=128, sinks=16),
+        tokens_per_block=tpb,
+        tiers=[GpuCacheTierConfig(4 * MiB)],
+    )
+    engine = CheckingEngine(m)
+    releases = []
+    release_stale = Growth._release_stale
+
+    def counting(self, *args):
+        releases.append(self.history_length)
+        return release_stale(self, *args)
+
+    monkeypatch.setattr(Growth, "_release_stale", counting)
+    cache = m.create_kv_cache()
+    cache.resume()
+    tokens = list(range(500, 1012))
+    assert engine.step(cache, tokens, tokens)  # one prefill of 512 tokens: no release yet
+    swa = m.get_layer_group_id(0)
+    held = cache.pages(swa)
+    assert None not in held and not releases
+    assert cache.resize(512)  # the history is 512 now: blocks 1 ... 23 left the window
+    assert releases == [512]
+    queue = m._storage.queues[0][0]
+    assert list(queue) == held[1:24]  # oldest block first; the sink block 0 stays
+    assert [p is not None for p in cache.pages(swa)] == [True] + [False] * 23 + [True] * 8
+    engine.check(cache, tokens)
+    assert cache.resize(512) and cache.resize(512, 512)
+    assert releases == [512]  # nothing left the window since: the general path is not taken
+    cache.close()
 
 
 @pytest.mark.parametrize("commits", [False, True], ids=["uncommitted", "committed"])

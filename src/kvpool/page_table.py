@@ -68,6 +68,15 @@ class PageTable:
         self.version += 1
         return page
 
+    def clear_range(self, g: int, start: int, stop: int) -> list[Page]:
+        """`clear` blocks `start` ... `stop - 1` where they have a page; returns those pages."""
+        pages = self.pages[g]
+        cleared = [page for page in pages[start:stop] if page is not None]
+        pages[start:stop] = [None] * (stop - start)
+        self.tables[g][start:stop] = BAD_PAGE_INDEX
+        self.version += 1
+        return cleared
+
     def resize(self, g: int, num_blocks: int) -> None:
         """Give an attention layer group `num_blocks` entries (new ones empty)."""
         pages, old = self.pages[g], len(self.pages[g])

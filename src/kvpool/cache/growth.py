@@ -47,6 +47,12 @@ class Growth(RequestState):
                 if _debug.DEBUG:
                     self._ctx.check()
                 return True
+        if new_blocks == old_blocks:  # only blocks leaving a window (decode, or after a prefill)
+            self._release_stale(stale, old_blocks)
+            self._capacity, self._history = capacity, history
+            if _debug.DEBUG:
+                self._ctx.check()
+            return True
         layout, storage = self._ctx.layout, self._ctx.storage
         stale_of = dict(stale)
         releases: list[tuple[int, int]] = []
@@ -122,6 +128,20 @@ class Growth(RequestState):
         if _debug.DEBUG:
             self._ctx.check()
         return True
+
+    def _release_stale(self, stale: list[tuple[int, tuple[int, int]]], num_blocks: int) -> None:
+        """Unlock the blocks newly out of each window (a run per layer group, sinks kept), in
+        one call, in the order `resize`'s general path releases them."""
+        unlocking: list[Page] = []
+        released_end = self._released_end
+        for g, (beg, end) in stale:
+            first = max(beg, released_end[g])
+            if first < min(end, num_blocks):
+                unlocking += self._table.clear_range(g, first, min(end, num_blocks))
+            if end > released_end[g]:
+                released_end[g] = end
+        self._ctx.storage.unlock_all(unlocking)
+        self._window_check = self._next_window_check()
 
     def _next_window_check(self) -> int:
         """The least history length at which a sliding window may let a block beyond the
