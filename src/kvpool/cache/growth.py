@@ -3,6 +3,8 @@ sliding window as the history grows (sink blocks stay)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvpool import _debug
 from kvpool.cache.state import ACTIVE, GPU_LEVEL, RequestState
 from kvpool.errors import ArgumentError, LogicError
@@ -129,7 +131,7 @@ class Growth(RequestState):
             self._ctx.check()
         return True
 
-    def _release_stale(self, stale: list[tuple[int, tuple[int, int]]], num_blocks: int) -> None:
+    def _release_stale(self, stale: Sequence[tuple[int, tuple[int, int]]], num_blocks: int) -> None:
         """Unlock the blocks newly out of each window (a run per layer group, sinks kept), in
         one call, in the order `resize`'s general path releases them."""
         unlocking: list[Page] = []
