@@ -179,6 +179,12 @@ def test_release_multiple_is_all_or_nothing():
         allocator.release_multiple([slots[0], slots[2], slots[2]])
     with pytest.raises(LogicError, match="not a slot of this allocator"):
         allocator.release_multiple([slots[1], SlotAllocator(8).allocate()])
+    # Failing on an object that is no handle (AttributeError inside) or on an id beyond the
+    # handles (IndexError) after marking some: the marks are undone too.
+    with pytest.raises(ArgumentError, match="must be a Slot of this allocator"):
+        allocator.release_multiple([slots[3], slots[1], "slot 2"])
+    with pytest.raises(LogicError, match=r"Slot\(40\) is not a slot of this allocator"):
+        allocator.release_multiple([slots[0], SlotAllocator(64).allocate_multiple(41)[-1]])
     assert allocator.num_occupied_slots == 4
     assert not any(slot.released for slot in slots)
     allocator.release_multiple(slots)

@@ -44,7 +44,8 @@ class Slot:
     """The handle of one slot id. Before using the slot, wait on `ready_event` if it is not None.
 
     When releasing, set `ready_event` to the event that marks this owner's last use, so that the
-    next owner waits for it. `released` is True while the id is free.
+    next owner waits for it. `released` is nonzero while the id is free (the serial of the
+    release that freed it; 1 before its first allocation) and 0 while it is occupied.
     """
 
     __slots__ = ("ready_event", "released", "slot_id")
@@ -52,7 +53,7 @@ class Slot:
     def __init__(self, slot_id: int, ready_event: ReadyEvent | None = None) -> None:
         self.slot_id = slot_id
         self.ready_event = ready_event
-        self.released = True  # free until allocated
+        self.released = 1  # free until allocated
 
     def __repr__(self) -> str:
         state = " released" if self.released else ""
@@ -76,6 +77,7 @@ class SlotAllocator:
         self._overflow: list[Slot] = []
         self._slots: list[Slot] = []  # the handle of each id below the high-water mark
         self._num_occupied = 0
+        self._serial = 1  # of the last `release_multiple` call, its mark (above a new slot's 1)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -165,7 +167,7 @@ class SlotAllocator:
                 taken += self._slots[first : first + fresh]
                 self._num_active += fresh
         for slot in taken:
-            slot.released = False
+            slot.released = 0
         self._num_occupied += count
         if _debug.DEBUG:
             self.check_invariants()
@@ -181,21 +183,20 @@ class SlotAllocator:
         """`release` each slot; all or nothing (a bad slot raises before any is released)."""
         own = self._slots
         waiting: list[Slot] = []  # the slots with a ready event (few: most copies are done)
+        # Each slot is checked and marked in one pass (a slot given twice is found marked; an
+        # id beyond the handles raises IndexError). The mark is this call's serial, so that a
+        # refusal can unmark exactly the slots it marked: nothing is released then.
+        mark = self._serial = self._serial + 1
         try:
-            # Checked before anything changes (an id beyond the handles raises IndexError),
-            # then marked, where a slot given twice is found released.
             for slot in slots:
                 if slot.released or own[slot.slot_id] is not slot:
+                    self._unmark(slots, mark)
                     self._refuse_release(slot, slots)
-            for slot in slots:
-                if slot.released:
-                    for each in slots:  # (none was released before)
-                        each.released = False
-                    self._refuse_release(slot, slots)
-                slot.released = True
+                slot.released = mark
                 if slot.ready_event is not None:
                     waiting.append(slot)
         except (AttributeError, IndexError, TypeError):  # not a handle of this allocator
+            self._unmark(slots, mark)
             self._refuse_release(next(s for s in slots if not self._is_own(s)), slots)
         # File each id as recycled or overflow, in order: whether its last use is done changes
         # only whether the next owner has an event to wait on, never which id it gets.
@@ -217,6 +218,12 @@ class SlotAllocator:
         self._num_occupied -= len(slots)
         if _debug.DEBUG:
             self.check_invariants()
+
+    def _unmark(self, slots: Sequence[Slot], mark: int) -> None:
+        """Undo a refused `release_multiple`'s marks."""
+        for slot in slots:
+            if self._is_own(slot) and slot.released == mark:
+                slot.released = 0
 
     def _is_own(self, slot: object) -> bool:
         """`slot` is one of this allocator's handles."""
