@@ -143,7 +143,7 @@ class SlotAllocator:
             check_int("count", count, 0)
         recycled, head = self._recycled, self._head
         available = len(recycled) - head
-        if count > available + max(self._target - self._num_active, 0):  # `num_free_slots`
+        if count > available and count - available > self._target - self._num_active:  # > free
             raise OutOfPagesError(f"need {count} free slots, only {self.num_free_slots} are free")
         if count < available:
             end = head + count
