@@ -424,3 +424,34 @@ def test_hybrid_model_across_three_levels(make, tmp_path):
     hits = sum(write_and_close(m, engine, prompt + [1]) for prompt in prompts)
     assert hits > 0
     assert m._storage.num_moved[2] > 0
+
+
+@pytest.mark.parametrize("with_host", [True, False], ids=["moved-down", "dropped"])
+def test_a_full_level_evicts_a_batch_so_the_next_blocks_find_free_slots(make, tmp_path, with_host):
+    """One block more than a full GPU level holds evicts 1 + 0.1% of the level's slots (4 of
+    4096) in one batch, moved down a level (or dropped at the last level); the next 4 blocks
+    evict nothing, the 5th evicts a batch again. The moved pages keep their bytes."""
+    m, engine = make(
+        layers=[record_layer(0, TPB)],
+        tiers=tiers(tmp_path, gpu=2, host=2 if with_host else 0, disk=4 if with_host else 0),
+    )
+    assert m.get_slot_counts(0) == [4096]
+    prompt = list(range(1, 4096 * TPB + 1))
+    write_and_close(m, engine, prompt)  # the GPU level is full of cached pages
+    assert m.get_storage_statistics(0)[0].free == 0
+
+    def evicted():
+        return m.num_moved_pages[1] if with_host else m.num_dropped_pages
+
+    for request in range(6):
+        write_and_close(m, engine, [500_000 + 100 * request + i for i in range(TPB)])
+        assert evicted() == (5 if request < 5 else 10), request
+    assert m.get_storage_statistics(0)[0].free == 4
+    if with_host:
+        assert m.num_moved_pages == [0, 10, 0] and m.num_dropped_pages == 0
+        # Released last block first, the chain's last 10 blocks were the oldest pages.
+        assert levels_of(m, prompt) == [0] * 4086 + [1] * 10
+        held = m.create_kv_cache(None, prompt)  # holds them where they are
+        assert held.num_committed_tokens == len(prompt)
+        engine.check_anywhere(held, prompt)
+        held.close()

@@ -60,6 +60,7 @@ from kvpool import (
 from kvpool.events import cached_blocks
 from kvpool.events.log import MEDIA, KVEventLog
 from kvpool.lifecycles import SsmLifeCycle
+from kvpool.tiers import allocation
 from tests.engine_check import CheckingEngine
 from tests.faults import DiskFaults, state_of
 
@@ -112,6 +113,9 @@ LAYOUTS: dict[str, Callable[[str], KVCacheManagerConfig]] = {
     "no-partial-reuse": lambda d: _config(
         [_kv(0), _kv(1)], _tiers(d, gpu=2, host=2), enable_partial_reuse=False
     ),
+    # Eviction in batches of 1 + 4 pages per 32-slot level (see `LAYOUT_SETTINGS`), where the
+    # other layouts' levels are too small for a spare page (0.1%).
+    "eviction-batches": lambda d: _config([_kv(0), _kv(1)], _tiers(d, gpu=2, host=2, disk=4)),
     # A window of 8 tokens with 4 sink tokens, full attention and an SSM layer: three life
     # cycles in two pool groups (the attention layers share a slot layout).
     "hybrid": lambda d: _config(
@@ -122,6 +126,11 @@ LAYOUTS: dict[str, Callable[[str], KVCacheManagerConfig]] = {
         ],
         _tiers(d, gpu=4, host=4, disk=8),
     ),
+}
+
+# Module attributes a layout sets for its run: (module, name, value).
+LAYOUT_SETTINGS: dict[str, list[tuple[Any, str, Any]]] = {
+    "eviction-batches": [(allocation, "EVICTION_SPARE_SHIFT", 3)],
 }
 
 
@@ -161,6 +170,8 @@ class Run:
 
     def __post_init__(self) -> None:
         self.now = 0.0
+        for module, name, value in LAYOUT_SETTINGS.get(self.layout, ()):
+            self.monkeypatch.setattr(module, name, value)
         self.manager = KVCacheManager(LAYOUTS[self.layout](self.directory), clock=lambda: self.now)
         self.engine = CheckingEngine(self.manager)
         self.faults = DiskFaults(self.manager).install(self.monkeypatch)

@@ -10,6 +10,9 @@ from kvpool.records import Page
 from kvpool.tiers.migration import Migration
 from kvpool.tiers.planning import Plan, Planning
 
+# A full level evicts `capacity >> EVICTION_SPARE_SHIFT` pages (0.1%) more than it needs.
+EVICTION_SPARE_SHIFT = 10
+
 
 class Allocation(Planning, Migration):
     """Slots made free by cascading eviction, and pages moved up into them."""
@@ -23,17 +26,18 @@ class Allocation(Planning, Migration):
             missing = count - allocators[pool_group].num_free_slots
             if missing <= 0:
                 continue
+            # Evict a few more than needed (0.1% of the pool group), so that the next small
+            # allocations (a decode step's new block) find a free slot: eviction's fixed cost (a
+            # plan, a batched copy down each level, a drop) is then paid once per batch, not once
+            # per block. Best effort: the plan may free fewer, never fewer than `count`.
+            spare = allocators[pool_group].capacity >> EVICTION_SPARE_SHIFT
             if level == self._last_level:  # dropping the oldest pages is all eviction can do
-                # Drop a few more than needed (0.1% of the pool group), so that the next small
-                # allocations (a decode step's new block) find a free slot: eviction's fixed cost
-                # is then paid once per batch, not once per block.
-                spare = allocators[pool_group].capacity >> 10
                 victims = queues[pool_group].oldest(missing + spare)
                 if len(victims) < missing:
                     return False
                 drops.append(victims)
             else:
-                plan = self._plan(level, pool_group, count, count)
+                plan = self._plan(level, pool_group, count + spare, count)
                 if plan is None:
                     return False
                 plans.append(plan)
