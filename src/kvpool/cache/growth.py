@@ -4,6 +4,7 @@ sliding window as the history grows (sink blocks stay)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvpool import _debug
 from kvpool.cache.state import ACTIVE, GPU_LEVEL, RequestState
@@ -21,14 +22,12 @@ class Growth(RequestState):
         if self._status is not ACTIVE:
             self._require_active("resize")
         history = self._history if history_length is None else history_length
-        if type(capacity) is not int or capacity < 0:  # bool is not accepted either
-            raise ArgumentError(f"capacity={capacity!r} is invalid: must be an integer >= 0")
-        if type(history) is not int or history < 0:
-            raise ArgumentError(f"history_length={history!r} is invalid: must be an integer >= 0")
-        if history < self._history:
-            raise LogicError(f"history_length cannot decrease (from {self._history} to {history})")
-        if history > capacity:
-            raise LogicError(f"history_length {history} cannot exceed capacity {capacity}")
+        if (  # (one test for the usual call; bool is not accepted either)
+            type(capacity) is not int
+            or type(history) is not int
+            or not self._history <= history <= capacity
+        ):
+            self._refuse_resize(capacity, history)
         self._sum_capacity += capacity
         self._sum_history += history
         self._num_resizes += 1
@@ -130,6 +129,16 @@ class Growth(RequestState):
         if _debug.DEBUG:
             self._ctx.check()
         return True
+
+    def _refuse_resize(self, capacity: object, history: object) -> NoReturn:
+        """Raise the error for `resize` arguments that fail its checks, the first one first."""
+        if type(capacity) is not int or capacity < 0:
+            raise ArgumentError(f"capacity={capacity!r} is invalid: must be an integer >= 0")
+        if type(history) is not int or history < 0:
+            raise ArgumentError(f"history_length={history!r} is invalid: must be an integer >= 0")
+        if history < self._history:
+            raise LogicError(f"history_length cannot decrease (from {self._history} to {history})")
+        raise LogicError(f"history_length {history} cannot exceed capacity {capacity}")
 
     def _release_stale(self, stale: Sequence[tuple[int, tuple[int, int]]], num_blocks: int) -> None:
         """Unlock the blocks newly out of each window (a run per layer group, sinks kept), in
