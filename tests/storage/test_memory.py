@@ -1,6 +1,9 @@
 """Memories: host (mmap), disk (unlinked file), device (CUDA or host fallback)."""
 
+import ctypes
+import ctypes.util
 import errno
+import mmap
 import os
 import subprocess
 
@@ -15,7 +18,8 @@ MiB = 1 << 20
 
 
 def smaps_fields(array):
-    """The /proc/self/smaps fields of the mapping that starts at `array`'s first byte."""
+    """The /proc/self/smaps fields of the mapping holding `array`'s first byte (an entry can
+    hold neighbouring mappings with the same flags too)."""
     start = array.ctypes.data
     fields = {}
     with open("/proc/self/smaps") as smaps:
@@ -25,16 +29,26 @@ def smaps_fields(array):
             if "-" in first and ":" not in first:
                 if fields:
                     break
-                inside = int(first.split("-")[0], 16) == start
+                low, high = (int(bound, 16) for bound in first.split("-"))
+                inside = low <= start < high
             elif inside:
                 fields[first.rstrip(":")] = rest
     assert fields, "mapping not found in /proc/self/smaps"
     return fields
 
 
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
 def resident_bytes(array):
-    """Resident bytes of the mapping that starts at `array`'s first byte."""
-    return int(smaps_fields(array)["Rss"][0]) * 1024
+    """Resident bytes of the memory under `array` (page-aligned), page by page (mincore): the
+    mapping's smaps total would count a neighbouring mapping merged into the same entry."""
+    pages = -(-array.nbytes // mmap.PAGESIZE)
+    residency = ctypes.create_string_buffer(pages)
+    if _libc.mincore(ctypes.c_void_p(array.ctypes.data), array.nbytes, residency) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return int((np.frombuffer(residency.raw, dtype=np.uint8) & 1).sum()) * mmap.PAGESIZE
 
 
 def transparent_huge_pages():

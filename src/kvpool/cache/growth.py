@@ -146,9 +146,9 @@ class Growth(RequestState):
         unlocking: list[Page] = []
         released_end = self._released_end
         for g, (beg, end) in stale:
-            first = max(beg, released_end[g])
-            if first < min(end, num_blocks):
-                unlocking += self._table.clear_range(g, first, min(end, num_blocks))
+            first, stop = max(beg, released_end[g]), min(end, num_blocks)
+            if first < stop:
+                unlocking += self._table.clear_range(g, first, stop)
             if end > released_end[g]:
                 released_end[g] = end
         self._ctx.storage.unlock_all(unlocking)

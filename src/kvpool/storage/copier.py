@@ -4,8 +4,9 @@ Per pool, runs of consecutive slots become single copies: host<->host with numpy
 with pwritev/preadv (gathering or scattering the runs of the other side), GPU<->host with torch
 copies on a side stream when CUDA is present. Each pool's copy runs in a small thread pool, so the
 pools of a group (and the caller) proceed in parallel; a large host<->host copy of one pool is
-split among the threads too (one thread does not reach the memory bandwidth). A copy's `CopyEvent` is what the next user
-of its destination slots, and the next owner of its source slots, waits on.
+split among the threads too (one thread does not reach the memory bandwidth). A copy's
+`CopyEvent` is what the next user of its destination slots, and the next owner of its source
+slots, waits on.
 """
 
 from __future__ import annotations
