@@ -121,10 +121,7 @@ class Growth(RequestState):
             reuse = recycled.get(g, [])
             reuse += self._new_pages(g, len(wanted) - len(reuse))
             self._table.set_many(g, wanted, reuse)
-        for g, (_, end) in stale:
-            if end > self._released_end[g]:
-                self._released_end[g] = end
-        self._window_check = self._next_window_check()
+        self._advance_released(stale)
         self._capacity, self._history = capacity, history
         if _debug.DEBUG:
             self._ctx.check()
@@ -144,14 +141,18 @@ class Growth(RequestState):
         """Unlock the blocks newly out of each window (a run per layer group, sinks kept), in
         one call, in the order `resize`'s general path releases them."""
         unlocking: list[Page] = []
-        released_end = self._released_end
         for g, (beg, end) in stale:
-            first, stop = max(beg, released_end[g]), min(end, num_blocks)
+            first, stop = max(beg, self._released_end[g]), min(end, num_blocks)
             if first < stop:
                 unlocking += self._table.clear_range(g, first, stop)
-            if end > released_end[g]:
-                released_end[g] = end
         self._ctx.storage.unlock_all(unlocking)
+        self._advance_released(stale)
+
+    def _advance_released(self, stale: Sequence[tuple[int, tuple[int, int]]]) -> None:
+        """Record how far each window has released its blocks, and when to look again."""
+        for g, (_, end) in stale:
+            if end > self._released_end[g]:
+                self._released_end[g] = end
         self._window_check = self._next_window_check()
 
     def _next_window_check(self) -> int:
