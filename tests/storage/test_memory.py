@@ -120,6 +120,20 @@ def test_host_memory_asks_for_huge_pages_and_still_hands_memory_back():
     memory.close()
 
 
+@pytest.mark.parametrize("kernel", ["refuses the advice", "python without it"])
+def test_host_memory_works_where_huge_pages_cannot_be_asked_for(monkeypatch, kernel):
+    if kernel == "refuses the advice":  # madvise fails with EINVAL, as a kernel without THP does
+        monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 0x7FFF, raising=False)
+    else:
+        monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)
+    memory = HostMemory(4 * MiB)
+    assert "hg" not in smaps_fields(memory.array)["VmFlags"]
+    memory.write(3 * MiB, b"still here")
+    memory.resize(3 * MiB + 10)
+    assert memory.read(3 * MiB, 10).tobytes() == b"still here"
+    memory.close()
+
+
 def test_host_memory_rejects_bad_sizes_and_ranges():
     with pytest.raises(ArgumentError, match="size=-1 is invalid"):
         HostMemory(-1)
