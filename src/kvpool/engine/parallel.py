@@ -70,8 +70,9 @@ def shard_state_dict(
     tp: TensorParallel,
 ) -> dict[str, torch.Tensor]:
     """This rank's weights: its query heads' rows of q_proj (and columns of o_proj), its KV
-    heads' rows of k_proj/v_proj, its share of gate_proj/up_proj rows and down_proj columns.
-    Everything else (embeddings, norms, lm_head, the o/down biases) is kept whole."""
+    heads' rows of k_proj/v_proj, its share of gate_proj/up_proj rows (and biases, with
+    `mlp_bias`) and down_proj columns. Everything else (embeddings, norms, lm_head, the o/down
+    biases: added once, after the all-reduce) is kept whole."""
     local_heads, local_kv = kv_head_split(num_heads, num_kv_heads, tp.size)
     q = slice(tp.rank * local_heads * head_dim, (tp.rank + 1) * local_heads * head_dim)
     if num_kv_heads % tp.size == 0:
@@ -96,8 +97,11 @@ def shard_state_dict(
             )
         part = intermediate // tp.size
         columns = slice(tp.rank * part, (tp.rank + 1) * part)
-        for name in ("gate_proj", "up_proj"):
-            shards[f"{mlp}{name}.weight"] = state_dict[f"{mlp}{name}.weight"][columns]
+        for name in ("gate_proj", "up_proj"):  # (their rows and biases: this rank's columns)
+            for kind in ("weight", "bias"):
+                key = f"{mlp}{name}.{kind}"
+                if key in state_dict:
+                    shards[key] = state_dict[key][columns]
         shards[mlp + "down_proj.weight"] = state_dict[mlp + "down_proj.weight"][:, columns]
     return {**state_dict, **shards}
 

@@ -94,9 +94,12 @@ def model_spec(hf_config: Any, dtype: torch.dtype | None = None) -> ModelSpec:
         fail("model_type", model_type, f"one of {sorted(LLAMA_LIKE + GEMMA)}")
     shape = hf_shape(config)
     hidden = int(config["hidden_size"])
-    for name in ("mlp_bias", "use_bidirectional_attention"):
-        if config.get(name):
-            fail(name, config[name], "false (not supported)")
+    if config.get("use_bidirectional_attention"):
+        fail(
+            "use_bidirectional_attention",
+            config["use_bidirectional_attention"],
+            "false (not supported)",
+        )
     if config.get("pretraining_tp", 1) not in (1, None):
         fail("pretraining_tp", config["pretraining_tp"], "1 (not supported)")
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
