@@ -371,3 +371,27 @@ def test_huge_quota_in_resize_fails_cleanly_on_every_level(setup):
             m.resize(level, HUGE)
         assert state_of(m) == before
     assert m.resize(2, 8 * MiB) and active.resume()
+
+
+def test_huge_finite_weights_split_a_level_like_their_proportions():
+    """Issue 30: `adjust_cache_level(0, [1e308, 1e308])` raised a raw OverflowError from the
+    sum; the weights are scaled by the largest first, so huge ones split like small ones."""
+    layers = [kv_layer(0, size=4096), kv_layer(1, size=16384, window=32)]
+    m = KVCacheManager(make_config(layers=layers))
+    m.adjust_cache_level(0, [1.0, 1.0])
+    even = m.get_slot_counts(0)
+    m.adjust_cache_level(0, [1.0, 3.0])
+    assert m.get_slot_counts(0) != even
+    m.adjust_cache_level(0, [1e308, 1e308])
+    assert m.get_slot_counts(0) == even
+    m.adjust_cache_level(0, [1e308, 3e307])
+    m_small = KVCacheManager(make_config(layers=layers))
+    m_small.adjust_cache_level(0, [10.0, 3.0])
+    assert m.get_slot_counts(0) == m_small.get_slot_counts(0)
+    with pytest.raises(ArgumentError, match=r"ratio=\[0.0, 0.0\] is invalid: must be 2 finite"):
+        m.adjust_cache_level(0, [0.0, 0.0])
+    config = make_config(layers=layers, initial_pool_ratio=[1e308, 1e308])
+    with pytest.raises(ConfigError, match=r"initial_pool_ratio=.* summing to 1 \(they sum to inf"):
+        config.validate()
+    for manager in (m, m_small):
+        shutdown(manager)

@@ -387,7 +387,8 @@ class KVCacheManagerConfig:
         for i, weight in enumerate(ratio):
             if not _is_real(weight) or not math.isfinite(weight) or weight <= 0:
                 _fail(f"initial_pool_ratio[{i}]", weight, "a finite number > 0")
-        total = math.fsum(ratio)
+        top = max(ratio)  # (the sum of huge weights scaled down first: fsum would overflow)
+        total = math.fsum(w / top for w in ratio) * top
         if abs(total - 1.0) > 1e-6:
             _fail("initial_pool_ratio", ratio, f"weights summing to 1 (they sum to {total})")
 

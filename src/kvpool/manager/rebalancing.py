@@ -83,15 +83,19 @@ class Rebalancing(ManagerCore):
         level), so the split moves toward the target as far as running requests allow."""
         storage = self.level_storage(level)
         count = len(storage.pool_groups)
-        allowed = f"{count} finite weights >= 0 with a positive, finite sum"
+        allowed = f"{count} finite weights >= 0, not all 0"
         weights = check_sequence("ratio", ratio, allowed)
         if len(weights) != count:
             fail("ratio", ratio, allowed)
         for i, weight in enumerate(weights):
             check_real(f"ratio[{i}]", weight, 0.0)
-        if not 0 < math.fsum(weights) < math.inf:
+        top = max(weights)
+        if not top > 0:
             fail("ratio", ratio, allowed)
-        ratio = [w / math.fsum(weights) for w in weights]
+        # (scaled by the largest first: the sum of huge finite weights would overflow)
+        scaled = [w / top for w in weights]
+        total = math.fsum(scaled)
+        ratio = [w / total for w in scaled]
         quota = storage.quota if quota is None else check_int("quota", quota, 1)
         sizes = [group.slot_sizes for group in storage.pool_groups]
         staying = self._storage.pages_that_must_stay(level)
