@@ -34,7 +34,7 @@ from kvpool import (  # noqa: E402
     RemoteCacheTierConfig,
 )
 from kvpool.remote.store import RemoteStore  # noqa: E402
-from kvpool.remote.values import encode_value  # noqa: E402
+from kvpool.remote.values import encode_value, key_of  # noqa: E402
 from kvpool.tokens import root_key  # noqa: E402
 
 TPB = 16
@@ -45,8 +45,9 @@ def store_figures(url: str, page: int, blocks: int, repeats: int) -> dict[str, f
     store = RemoteStore(RemoteCacheTierConfig(url, timeout_ms=10_000))
     store.connect()
     payload = bytes(range(256)) * (page // 256)
-    keys = [b"bench:%d:%d" % (page, i) for i in range(blocks)]
-    items = [(key, encode_value(b"\0" * 16, payload)) for key in keys]
+    namespace = b"bench:%d" % page
+    keys = [key_of(namespace.ljust(16, b"\0"), i.to_bytes(32, "little"), 0) for i in range(blocks)]
+    items = [(key, encode_value(key, payload)) for key in keys]
     batches = [items[i : i + BATCH] for i in range(0, blocks, BATCH)]
     key_batches = [keys[i : i + BATCH] for i in range(0, blocks, BATCH)]
     nbytes = blocks * len(items[0][1])

@@ -199,6 +199,33 @@ def test_a_value_copied_under_another_namespaces_key_is_a_miss(server, managers)
     cache.close()
 
 
+def test_values_swapped_between_keys_of_one_namespace_are_misses_never_wrong_kv(server, managers):
+    """Issue 30: a value moved under another block's key (same namespace, same page size) was
+    served as that block's KV. Each value names its key now: a swap is a miss, counted as
+    corrupt, and the prefix ends before it; every record a request reads is checked."""
+    import random
+
+    a, engine_a = managers(server.url)
+    prompts = [prompt_of(20 + n, 3 + n % 3) for n in range(12)]
+    fill_remote(a, engine_a, prompts)
+    b, engine_b = managers(server.url, gpu_mib=4)
+    client = server.client()
+    keys = [key for tokens in prompts for (key,) in stored_value_keys(server, b, tokens)]
+    rng = random.Random(7)
+    swapped = rng.sample(keys, 40)
+    for first, second in zip(swapped[0::2], swapped[1::2], strict=True):
+        one, two = client.get(first), client.get(second)
+        assert one is not None and two is not None and one != two
+        client.set(first, two)
+        client.set(second, one)
+    reused = sum(compute(b, engine_b, tokens) for tokens in prompts)
+    stats = b.remote_statistics()
+    assert stats.corrupt_values > 0 and stats.fetched_blocks > 0 and reused > 0
+    # Every swapped value read was refused; the prefixes served stop before the first of them.
+    assert engine_b.records_checked > 0
+    b.check_invariants()
+
+
 def worker_fill(url, prompts, result):
     m = KVCacheManager(
         make_config(
@@ -372,12 +399,12 @@ def test_the_server_evicting_under_maxmemory_leaves_only_whole_prefixes(tmp_path
 
 def test_a_server_down_at_start_is_a_clear_error_or_a_warning(tmp_path, managers, caplog):
     down = ValkeyServer(tmp_path / "down")
-    with pytest.raises(StorageError, match=rf"127\.0\.0\.1:{down.port}/0 does not answer \(Conn"):
+    with pytest.raises(StorageError, match=rf"127\.0\.0\.1:{down.port}/0 refuses connections"):
         managers(down.url, timeout_ms=200)
     with caplog.at_level(logging.WARNING, logger="kvpool.remote"):
         m, engine = managers(down.url, timeout_ms=200, tolerate_unavailable=True,
                              reconnect_min_ms=50, reconnect_max_ms=50)  # fmt: skip
-    assert "does not answer" in caplog.text
+    assert "refuses connections" in caplog.text
     fill_remote(m, engine, [prompt_of(7, 3)])  # runs degraded: nothing remote, nothing fails
     stats = m.remote_statistics()
     assert stats.errors + stats.skipped_calls > 0 and stats.written_values == 0
@@ -671,7 +698,7 @@ def test_a_server_refusing_writes_when_full_counts_them_and_keeps_serving(tmp_pa
 def test_a_password_from_the_url_or_the_environment(tmp_path, managers, monkeypatch):
     server = ValkeyServer(tmp_path / "auth", extra=("--requirepass", "s3cret")).start()
     try:
-        with pytest.raises(StorageError, match="does not answer"):
+        with pytest.raises(StorageError, match="refuses the credentials"):
             managers(server.url, timeout_ms=500)  # no password
         url = f"valkey://:s3cret@127.0.0.1:{server.port}/0"
         a, engine_a = managers(url)
@@ -680,10 +707,68 @@ def test_a_password_from_the_url_or_the_environment(tmp_path, managers, monkeypa
         b, engine_b = managers(server.url)
         assert compute(b, engine_b, prompt_of(9, 2) + [1]) == 2 * TPB
         monkeypatch.setenv("TENANT_PASSWORD", "wrong")
-        with pytest.raises(StorageError, match=r"does not answer \(AuthenticationError: inv"):
+        with pytest.raises(StorageError, match=r"credentials \(AuthenticationError: inv"):
             managers(server.url, password_env="TENANT_PASSWORD")
     finally:
         server.stop()
+
+
+def test_a_start_up_error_says_its_real_cause(tmp_path, managers):
+    """Issue 30: every start-up StorageError said errno 111, whatever the cause."""
+    import errno
+    import socket
+
+    server = ValkeyServer(tmp_path / "causes", extra=("--requirepass", "s3cret")).start()
+    silent = socket.socket()  # accepts connections, never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    down = ValkeyServer(tmp_path / "down")
+    cases = [
+        (down.url, errno.ECONNREFUSED, "refuses connections"),
+        (f"valkey://127.0.0.1:{silent.getsockname()[1]}/0", errno.ETIMEDOUT, "in time"),
+        (server.url, errno.EACCES, "refuses the credentials"),
+        (f"valkey://:s3cret@127.0.0.1:{server.port}/99", errno.EINVAL, "DB index is out of range"),
+    ]
+    try:
+        for url, code, words in cases:
+            with pytest.raises(StorageError) as caught:
+                managers(url, timeout_ms=300)
+            assert caught.value.errno == code and words in str(caught.value), caught.value
+            assert "s3cret" not in str(caught.value)
+    finally:
+        silent.close()
+        server.stop()
+
+
+def test_no_error_log_repr_or_report_shows_a_password(tmp_path, managers, caplog, capsys):
+    """Issue 30: a bad URL's ConfigError repeated its password. Every path that quotes a URL:
+    the config check, its repr, start-up errors, the warnings of a degraded or failing tier,
+    `kvpool replay`'s one-line error."""
+    from kvpool.cli import main
+
+    secret = "hunter2"
+    bad = f"valkey://admin:{secret}@127.0.0.1:notaport"
+    with pytest.raises(ConfigError) as caught:
+        KVCacheManager(make_config(remote_tier=RemoteCacheTierConfig(bad)))
+    assert "remote_tier.url='valkey://***@127.0.0.1:notaport'" in str(caught.value)
+    listed = RemoteCacheTierConfig(["valkey://a:1", f"valkey://:{secret}@b:2/x"])
+    with pytest.raises(ConfigError) as caught_listed:
+        KVCacheManager(make_config(remote_tier=listed))
+    assert "url[1]='valkey://***@b:2/x'" in str(caught_listed.value)
+    assert secret not in repr(listed) and secret not in repr(make_config(remote_tier=listed))
+    down = ValkeyServer(tmp_path / "down")
+    url = f"valkey://:{secret}@127.0.0.1:{down.port}/0"
+    with pytest.raises(StorageError) as refused:
+        managers(url, timeout_ms=200)
+    with caplog.at_level(logging.DEBUG, logger="kvpool"):
+        m, engine = managers(url, timeout_ms=200, tolerate_unavailable=True)
+        fill_remote(m, engine, [prompt_of(5, 2)])  # failing calls log their warnings
+    assert "refuses connections" in caplog.text
+    assert main(["replay", "--requests", "4", "--no-progress", "--remote", url]) != 0
+    printed = capsys.readouterr()
+    assert "remote" in printed.err
+    for text in (str(caught.value), str(refused.value), caplog.text, printed.out, printed.err):
+        assert secret not in text, text
 
 
 def test_prometheus_shows_the_remote_tier_and_stats_outlive_shutdown(server, managers):

@@ -7,6 +7,7 @@ the bad value and the allowed range.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -108,6 +109,16 @@ REMOTE_SCHEMES = ("valkey", "valkeys", "redis", "rediss")
 EVICTION_POLICIES = ("hazard", "lru", "lfu")  # (kvpool.policies; the first is the default)
 
 
+def redact_url(url: object) -> object:
+    """`url` as errors, logs and reports may show it: whatever stands between the scheme and
+    the last '@' (a user and a password) replaced by '***'; anything else as it is."""
+    if not isinstance(url, str) or "@" not in url:
+        return url
+    scheme, separator, rest = url.partition("://")
+    host = rest.rpartition("@")[2] if separator else url.rpartition("@")[2]
+    return f"{scheme}://***@{host}" if separator else f"***@{host}"
+
+
 def _is_remote_url(url: object) -> bool:
     if not isinstance(url, str):
         return False
@@ -158,6 +169,14 @@ class RemoteCacheTierConfig:
     def urls(self) -> list[str]:
         return [self.url] if isinstance(self.url, str) else list(self.url)
 
+    def __repr__(self) -> str:  # (configs get printed and logged: never with a password)
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        url = self.url
+        shown["url"] = (
+            [redact_url(u) for u in url] if isinstance(url, list | tuple) else redact_url(url)
+        )
+        return f"RemoteCacheTierConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
     def validate(self, name: str = "remote_tier") -> None:
         urls = self.url if isinstance(self.url, list | tuple) else [self.url]
         if not urls:
@@ -165,7 +184,8 @@ class RemoteCacheTierConfig:
         for i, url in enumerate(urls):
             field_name = f"{name}.url" if isinstance(self.url, str) else f"{name}.url[{i}]"
             if not _is_remote_url(url):
-                _fail(field_name, url, f"a URL {'|'.join(REMOTE_SCHEMES)}://host:port[/db]")
+                allowed = f"a URL {'|'.join(REMOTE_SCHEMES)}://host:port[/db]"
+                _fail(field_name, redact_url(url), allowed)
         for field_name in ("namespace", "model_id", "password_env"):
             if not isinstance(getattr(self, field_name), str):
                 _fail(f"{name}.{field_name}", getattr(self, field_name), "a string")

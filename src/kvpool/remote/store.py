@@ -92,7 +92,8 @@ class RemoteStore:
         self._backoff = config.reconnect_min_ms / 1000
         self._retry_at = 0.0
         self._down = False
-        self.last_error = ""  # the last failed call's error
+        self.last_error = ""  # the last failed call's error (never with a password)
+        self._last_exception: BaseException | None = None
 
     @property
     def where(self) -> str:
@@ -104,17 +105,37 @@ class RemoteStore:
         return not self._down
 
     def connect(self) -> None:
-        """Reach the server now: `StorageError` naming it when it does not answer (unless the
+        """Reach the server now: `StorageError` naming it and the cause (refused, timed out,
+        credentials refused, a database it does not have) when it does not answer (unless the
         config tolerates that: then a warning, and the tier runs degraded until it answers)."""
         if self._call(lambda client: client.ping(), quiet=True) is None:
-            message = f"the remote tier at {self.where} does not answer ({self.last_error})"
+            code, cause = self._cause()
+            message = f"the remote tier at {self.where} {cause} ({self.last_error})"
             if not self.config.tolerate_unavailable:
                 self.close()
                 raise StorageError(
-                    errno.ECONNREFUSED,
-                    message + " (remote_tier.tolerate_unavailable=True starts without it)",
+                    code, message + " (remote_tier.tolerate_unavailable=True starts without it)"
                 )
             logger.warning("%s: running without it until it does", message)
+
+    def _cause(self) -> tuple[int, str]:
+        """The errno and words of the last failed call's cause."""
+        from valkey.exceptions import AuthenticationError, ResponseError
+        from valkey.exceptions import TimeoutError as ValkeyTimeout
+
+        error = self._last_exception
+        if isinstance(error, AuthenticationError):
+            return errno.EACCES, "refuses the credentials"
+        if isinstance(error, ValkeyTimeout | TimeoutError):
+            return errno.ETIMEDOUT, "does not answer in time"
+        if isinstance(error, ResponseError):
+            return errno.EINVAL, "refuses the connection's setup"
+        for inner in (error, getattr(error, "__context__", None)):
+            if isinstance(inner, OSError) and inner.errno is not None and inner.errno > 0:
+                if inner.errno == errno.ECONNREFUSED:
+                    return inner.errno, "refuses connections (no server listening there?)"
+                return inner.errno, f"cannot be reached ({os.strerror(inner.errno)})"
+        return errno.EHOSTUNREACH, "cannot be reached"
 
     def exists(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Whether each key is stored (None: the server could not be asked)."""
@@ -201,14 +222,26 @@ class RemoteStore:
 
     def _failed(self, error: BaseException, quiet: bool) -> None:
         self.stats.errors += 1
-        self.last_error = f"{type(error).__name__}: {error}"
+        self._last_exception = error
+        self.last_error = self._without_passwords(f"{type(error).__name__}: {error}")
         if not self._down and not quiet:
-            logger.warning("the remote tier at %s failed (%s): backing off", self.where, error)
+            logger.warning(
+                "the remote tier at %s failed (%s): backing off", self.where, self.last_error
+            )
         self._down = True
         self._retry_at = self._clock() + self._backoff
         self._backoff = min(self._backoff * 2, self.config.reconnect_max_ms / 1000)
         if self.config.cluster or len(self.config.urls) > 1:
             self._drop_client()  # a cluster client is rebuilt: its topology may have changed
+
+    def _without_passwords(self, text: str) -> str:
+        """`text` with every password this store knows (URLs, the environment) masked."""
+        secrets = [urlsplit(url).password for url in self.config.urls]
+        secrets.append(os.environ.get(self.config.password_env))
+        for secret in secrets:
+            if secret:
+                text = text.replace(secret, "***")
+        return text
 
     def _make_client(self) -> Any:
         import valkey

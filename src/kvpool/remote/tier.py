@@ -137,9 +137,11 @@ class RemoteTier:
             if wanted:
                 keys = [self.key(prefix.keys[i - start], g) for i, g in wanted]
                 values = self.store.get_many(keys)
-                for (i, g), value in zip(wanted, values or [None] * len(wanted), strict=True):
+                for key, (i, g), value in zip(
+                    keys, wanted, values or [None] * len(wanted), strict=True
+                ):
                     size = self._payload_bytes[self.layout.pool_group_of[g]]
-                    payload = decode_value(self.namespace, value, size)
+                    payload = decode_value(key, value, size)
                     if payload is not None:
                         self._stats.bytes_read += len(value)  # type: ignore[arg-type]
                     elif values is not None:
@@ -177,7 +179,7 @@ class RemoteTier:
                 self._stats.failed_writes += 1
                 continue
             key = self.key(block.key, page.layer_group)
-            values.append((key, encode_value(self.namespace, payload)))
+            values.append((key, encode_value(key, payload)))
             indices.append(i)
         if not values:
             return []

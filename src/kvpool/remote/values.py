@@ -5,9 +5,11 @@ includes the reuse scope and the whole prefix) and the layer group. The namespac
 model's layout (tokens per block, life cycles, every buffer's placement and size), the user's
 model id, the tenant namespace and the shard: two models or two tenants never read each other's KV.
 
-A value is a header (magic, format version, the namespace again, payload length, CRC-32) and
-the page's bytes, pool by pool. A value that fails any check is a miss, never written into a
-page.
+A value is a header (magic, format version, its own key without the prefix: namespace, block
+key and layer group; payload length, CRC-32) and the page's bytes, pool by pool. A value is
+bound to its key: one copied or renamed to another key (a bug elsewhere, a restore gone wrong,
+someone's hand) fails the check there. A value that fails any check is a miss, counted as
+corrupt, never written into a page.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import zlib
 
 from kvpool.layout import KVLayout
 
-KEY_PREFIX = b"kvpool:1:"
-_HEADER = struct.Struct("<4sH2x16sQI")
+KEY_PREFIX = b"kvpool:2:"  # (version 1's values did not name their keys)
+_KEY_BODY_BYTES = 16 + 32 + 2  # namespace, block key, layer group
+_HEADER = struct.Struct(f"<4sH{_KEY_BODY_BYTES}sQI")
 MAGIC = b"KVPR"
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = _HEADER.size
 
 
@@ -54,23 +57,26 @@ def key_of(namespace: bytes, block_key: bytes, layer_group: int) -> bytes:
     return KEY_PREFIX + namespace + block_key + layer_group.to_bytes(2, "little")
 
 
-def encode_value(namespace: bytes, payload: bytes) -> bytes:
-    header = _HEADER.pack(MAGIC, VERSION, namespace, len(payload), zlib.crc32(payload))
+def encode_value(key: bytes, payload: bytes) -> bytes:
+    """The value stored under `key` (from `key_of`): a header naming the key, then `payload`."""
+    body = key[len(KEY_PREFIX) :]
+    assert key.startswith(KEY_PREFIX) and len(body) == _KEY_BODY_BYTES, key
+    header = _HEADER.pack(MAGIC, VERSION, body, len(payload), zlib.crc32(payload))
     return header + payload
 
 
-def decode_value(namespace: bytes, value: bytes | None, expected_length: int) -> memoryview | None:
-    """The payload of `value` (a view, no copy), or None when it is absent or fails a check
-    (wrong magic, version or namespace, another length than `expected_length`, a bad
-    checksum)."""
+def decode_value(key: bytes, value: bytes | None, expected_length: int) -> memoryview | None:
+    """The payload of `value`, read under `key` (a view, no copy), or None when it is absent
+    or fails a check (wrong magic or version, a header naming another key: another block,
+    layer group, namespace; another length than `expected_length`, a bad checksum)."""
     if value is None or len(value) < HEADER_BYTES:
         return None
-    magic, version, stored_namespace, length, checksum = _HEADER.unpack_from(value)
+    magic, version, stored_key, length, checksum = _HEADER.unpack_from(value)
     payload = memoryview(value)[HEADER_BYTES:]
     if (
         magic != MAGIC
         or version != VERSION
-        or stored_namespace != namespace
+        or stored_key != key[len(KEY_PREFIX) :]
         or length != expected_length
         or len(payload) != length
         or zlib.crc32(payload) != checksum
