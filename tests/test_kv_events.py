@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from functools import cache
 from pathlib import Path
 
@@ -245,9 +246,25 @@ def test_no_events_cost_nothing_and_bad_event_config_is_refused_by_field():
             KVCacheManager(config)
     taken = KVCacheManager(make_config(kv_events=EVENTS))
     try:
-        endpoint = taken.kv_event_endpoints[0]
-        with pytest.raises(ConfigError, match="cannot bind"):
-            KVCacheManager(make_config(kv_events=KVEventsConfig(endpoint)))
+        pub, replay = taken.kv_event_endpoints
+        # Issue 30: a bind that fails names its field (it named neither), before any state.
+        for fields, named in [
+            (dict(endpoint=pub), "kv_events.endpoint"),
+            (
+                dict(endpoint="tcp://127.0.0.1:0", replay_endpoint=replay),
+                "kv_events.replay_endpoint",
+            ),
+            (dict(endpoint="nosuch://x"), "kv_events.endpoint"),
+            (dict(endpoint="tcp://nosuchinterface0:5557"), "kv_events.endpoint"),
+            (
+                dict(endpoint="tcp://127.0.0.1:0", replay_endpoint="tcp://nosuchinterface0:1"),
+                "kv_events.replay_endpoint",
+            ),
+        ]:
+            with pytest.raises(ConfigError) as caught:
+                KVCacheManager(make_config(kv_events=KVEventsConfig(**fields)))
+            message = str(caught.value)
+            assert message.startswith(named) and "is invalid: must be an address" in message
     finally:
         shutdown(taken)
 
@@ -317,3 +334,49 @@ def test_blocks_written_to_the_remote_tier_are_announced_as_external(tmp_path, s
     finally:
         shutdown(m)
         server.stop()
+
+
+@pytest.mark.parametrize("envelope", [True, False], ids=["empty-frame-first", "start-alone"])
+def test_a_dealer_replays_every_kept_batch_then_the_end_marker(envelope):
+    """What the README documents, exactly: a DEALER sends the start sequence (after an empty
+    frame, vLLM's form, or alone) and receives every kept batch from there on, one message
+    each, then sequence -1. (Issue 30: the README said "DEALER or REQ"; a REQ sees the first
+    batch only, and a DEALER sending the start alone got nothing.)"""
+    import zmq
+
+    m = KVCacheManager(make_config([record_layer(0, TPB)], [GpuCacheTierConfig(2 * MiB)], TPB,
+                                   kv_events=EVENTS))  # fmt: skip
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        engine = CheckingEngine(m)
+        for n in range(5):
+            run(m, engine, prompt(n, 2))  # one batch per block: 10 batches
+        m.flush_kv_events()
+        for _ in range(500):  # (until the publisher's thread has sent and kept them all)
+            if m._publisher.num_batches == m._kv_events.num_batches:
+                break
+            time.sleep(0.01)
+        dealer.connect(m.kv_event_endpoints[1])
+        dealer.send_multipart(
+            [b"", (3).to_bytes(8, "big")] if envelope else [(3).to_bytes(8, "big")]
+        )
+        sequences, stored = [], 0
+        while True:
+            assert dealer.poll(5000), "no reply"
+            frames = dealer.recv_multipart()
+            if envelope:
+                assert frames[0] == b""
+                frames = frames[1:]
+            topic, sequence_bytes, payload = frames
+            sequence = int.from_bytes(sequence_bytes, "big", signed=True)
+            if sequence < 0:
+                assert topic == b"" and payload == b""
+                break
+            assert topic == EVENTS.topic.encode()
+            sequences.append(sequence)
+            stored += sum(isinstance(e, BlockStored) for e in decode_batch(payload).events)
+        last = m._kv_events.num_batches - 1
+        assert sequences == list(range(3, last + 1)) and last >= 9 and stored > 0
+    finally:
+        dealer.close(linger=0)
+        shutdown(m)

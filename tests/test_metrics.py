@@ -161,6 +161,41 @@ def test_prometheus_exposition_shows_the_stats(manager):
         PrometheusMetrics(m, labels={"bad label": "x"}, registry=registry)
 
 
+def test_serving_on_a_taken_port_is_an_error_naming_it_and_leaves_nothing_registered(manager):
+    """Issue 30: a bare OSError, and the collector stayed registered: a second collector of
+    the manager then doubled every sample."""
+    import socket
+
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from kvpool.metrics import PrometheusMetrics
+
+    m, _ = manager
+    registry = prometheus_client.CollectorRegistry()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        first = PrometheusMetrics(m, registry=registry)
+        with pytest.raises(ArgumentError, match=rf"port={port} is invalid: must be a port"):
+            first.serve(port, "127.0.0.1")
+        assert prometheus_client.generate_latest(registry) == b""  # unregistered
+        first.close()  # (harmless)
+        checked = PrometheusMetrics(m, registry=prometheus_client.CollectorRegistry())
+        for bad in (-1, 70000, 1.5, "9400"):  # refused before anything changes
+            with pytest.raises(ArgumentError, match="port="):
+                checked.serve(bad)
+        checked.close()
+        second = PrometheusMetrics(m, registry=registry)
+        served = second.serve(0, "127.0.0.1")
+        text = prometheus_client.generate_latest(registry).decode()
+        samples = [line for line in text.splitlines() if line.startswith("kvpool:requests_total")]
+        assert len(samples) == 1 and served > 0  # one collector: no doubled sample
+        second.close()
+    finally:
+        taken.close()
+
+
 def test_kvpool_replay_serves_metrics_that_match_its_report(tmp_path):
     pytest.importorskip("prometheus_client")
     model = write_tiny_hf_config(tmp_path)

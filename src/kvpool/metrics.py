@@ -33,8 +33,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ArgumentError, ConfigError
 from kvpool.stats import LATENCY_BOUNDS, LatencyHistogram, ManagerStats
+from kvpool.validation import check_int, fail
 
 if TYPE_CHECKING:
     from kvpool.manager import KVCacheManager
@@ -67,6 +68,7 @@ class PrometheusMetrics:
         if time_calls:
             manager.time_calls(True)
         self.registry.register(self)
+        self._registered = True
 
     def describe(self) -> list[Any]:
         return []  # (no names up front: the registry then never collects at registration)
@@ -162,20 +164,34 @@ class PrometheusMetrics:
 
     def serve(self, port: int, address: str = "0.0.0.0") -> int:
         """Serve /metrics over HTTP on `port` (0: a free one) from a daemon thread; returns the
-        port."""
+        port. A port that cannot be bound (taken, not allowed) is an `ArgumentError` naming it,
+        and the collector is unregistered first (a second one would double every sample)."""
         from prometheus_client import start_http_server
 
-        self._server, _ = start_http_server(port, address, registry=self.registry)
+        check_int("port", port, 0, 65535)
+        if not isinstance(address, str):
+            fail("address", address, "a host name or an IP address")
+        try:
+            self._server, _ = start_http_server(port, address, registry=self.registry)
+        except OSError as error:
+            self.close()
+            raise ArgumentError(
+                f"port={port} is invalid: must be a port this process can bind on {address} "
+                f"({error.strerror or error}); the collector was unregistered"
+            ) from None
         bound: int = self._server.server_port
         return bound
 
     def close(self) -> None:
-        """Stop serving and unregister (the manager keeps timing calls until told not to)."""
+        """Stop serving and unregister (the manager keeps timing calls until told not to).
+        Closing twice is harmless."""
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        self.registry.unregister(self)
+        if self._registered:
+            self._registered = False
+            self.registry.unregister(self)
 
 
 def _buckets(histogram: LatencyHistogram) -> tuple[list[tuple[str, float]], float]:

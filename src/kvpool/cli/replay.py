@@ -290,9 +290,8 @@ def serve_metrics(manager: Any, port: int) -> Any:
     metrics = PrometheusMetrics(manager, registry=CollectorRegistry())
     try:
         bound = metrics.serve(port)
-    except OSError as error:
-        metrics.close()
-        raise ArgumentError(f"--metrics-port {port}: {error.strerror}") from None
+    except ArgumentError as error:  # (closed already)
+        raise ArgumentError(str(error).replace("port=", "--metrics-port ", 1)) from None
     logger.warning("serving Prometheus metrics on http://0.0.0.0:%d/metrics", bound)
     return metrics
 

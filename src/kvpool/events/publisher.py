@@ -2,10 +2,13 @@
 
 The PUB socket sends each batch as (topic, sequence number, payload); the last `buffer_steps`
 batches are kept, and a ROUTER socket (`replay_endpoint`) answers a request carrying a start
-sequence number (8 bytes, big-endian) with every kept batch from there on, as (empty frame,
-topic, sequence, payload) frames after the requester's identity, then an end marker (sequence
--1, empty payload). A subscriber that joins late (or notices a gap) subscribes first, asks for a
-replay from 0 (or the gap), then applies live batches past the replayed ones.
+sequence number (8 bytes, big-endian) with every kept batch from there on, one message each
+(topic, sequence, payload), then an end marker (empty topic, sequence -1, empty payload). The
+requester is a DEALER socket: a request of (empty frame, start), vLLM's form, gets replies
+that begin with an empty frame too; a request of (start) alone, replies without it. (A REQ
+socket takes one reply per request: it would see the first batch only.) A subscriber that
+joins late (or notices a gap) subscribes first, asks for a replay from 0 (or the gap), then
+applies live batches past the replayed ones.
 
 The engine's thread builds the step's events (`KVEventLog`); this thread stamps, encodes and
 sends them. The queue is bounded: a publisher that falls that far behind makes the
@@ -54,11 +57,13 @@ class KVEventPublisher:
         self._pub = context.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._replay = None
+        field = "endpoint"
         try:
             self._pub.bind(config.endpoint)
             self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
             self.replay_endpoint: str | None = None
             if config.replay_endpoint is not None:
+                field = "replay_endpoint"
                 self._replay = context.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
                 self._replay.bind(config.replay_endpoint)
@@ -66,7 +71,8 @@ class KVEventPublisher:
         except zmq.ZMQError as error:
             self._close_sockets()
             raise ConfigError(
-                f"kv_events: cannot bind {config.endpoint!r} / {config.replay_endpoint!r}: {error}"
+                f"kv_events.{field}={getattr(config, field)!r} is invalid: must be an address "
+                f"this process can bind (ZMQ: {error})"
             ) from None
         self._thread = threading.Thread(target=self._run, name="kvpool-kv-events", daemon=True)
         self._thread.start()
@@ -116,17 +122,17 @@ class KVEventPublisher:
     def _serve_replay(self) -> None:
         assert self._replay is not None
         frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
+        if len(frames) not in (2, 3) or len(frames[-1]) != 8 or (len(frames) == 3 and frames[1]):
             logger.warning("ignored a malformed KV event replay request (%d frames)", len(frames))
             return
-        identity, _, start = frames
+        identity, *envelope, start = frames  # (envelope: the empty frame, or none)
         first = int.from_bytes(start, "big")
         for sequence, payload in list(self._buffer):
             if sequence >= first:
                 self._replay.send_multipart(
-                    (identity, b"", self._topic, sequence.to_bytes(8, "big"), payload)
+                    (identity, *envelope, self._topic, sequence.to_bytes(8, "big"), payload)
                 )
-        self._replay.send_multipart((identity, b"", b"", END_SEQUENCE, b""))
+        self._replay.send_multipart((identity, *envelope, b"", END_SEQUENCE, b""))
 
 
 __all__ = ["END_SEQUENCE", "KVEventPublisher"]
