@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import random
 from typing import Any
 
 import torch
@@ -194,4 +195,60 @@ def agreement_modes(rank: int, folder: str) -> dict[str, Any]:
     return seen
 
 
-SCENARIOS = {"generate": generate, "diverge": diverge, "agreement_modes": agreement_modes}
+def policy_agreement(rank: int, folder: str, requests: int) -> dict[str, Any]:
+    """The same requests on every rank with the default (hazard) eviction policy, each rank's
+    manager on its own process clock (the default `time.monotonic`), a GPU and a host level,
+    long enough for the policy to learn (many capacities of blocks come in) and then pick
+    victims other than LRU's. The check compares every step's decisions."""
+    manager = KVCacheManager(
+        make_config(
+            layers=[kv_layer(0, size=16 * 1024)],
+            tokens_per_block=8,
+            tiers=[GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(2 * MiB)],
+        )
+    )
+    assert manager.config.eviction_policy == "hazard"  # (the default)
+    agreement = Agreement(manager, check=True)
+    rng = random.Random(0)
+    documents = [
+        [rng.randrange(1000) for _ in range(rng.choice([16, 24, 40, 64]))] for _ in range(60)
+    ]
+    weights = [1 / (i + 1) for i in range(60)]
+    message, hits = None, 0
+    try:
+        for _ in range(requests):
+            prompt = rng.choices(documents, weights)[0] + [
+                rng.randrange(1000) for _ in range(rng.randrange(1, 20))
+            ]
+            cache = manager.create_kv_cache(None, prompt)
+            hits += cache.num_committed_tokens
+            if cache.resume() and cache.resize(len(prompt)):
+                cache.commit(prompt[cache.num_committed_tokens :])
+            cache.close()
+            agreement.end_step()
+    except DivergenceError as error:
+        message = str(error)
+    policy = manager._policy
+    queue = manager._storage.queues[manager._storage.last_level][0]
+    outcome = {
+        "message": message,
+        "steps": agreement.step,
+        "hits": hits,
+        "learned": getattr(policy, "width", 0) > 0,
+        "classed": getattr(queue, "_classed", 0),
+        "capacity": getattr(policy, "capacity", 0),
+        "inflow": getattr(policy, "now", 0),
+        "dropped": manager._storage.num_dropped,
+        "moved": manager.num_moved_pages,
+    }
+    manager.clear_reusable_blocks()
+    manager.shutdown()
+    return outcome
+
+
+SCENARIOS = {
+    "generate": generate,
+    "diverge": diverge,
+    "agreement_modes": agreement_modes,
+    "policy_agreement": policy_agreement,
+}

@@ -50,10 +50,24 @@ def model_of(config, seed):
     return model.eval()
 
 
-def llama():
+def llama(**overrides):
     return transformers.LlamaConfig(
-        **COMMON, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128
+        **COMMON,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        **overrides,
     )
+
+
+def with_random_biases(model):
+    """transformers starts biases at zero: make every one matter."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith(".bias"):
+                tensor.uniform_(-0.5, 0.5)
+    return model
 
 
 def hybrid():
@@ -165,9 +179,12 @@ def test_tensor_parallel_generation_agrees_with_transformers_and_rebalances_in_s
 @pytest.mark.slow
 def test_four_ranks_replicate_kv_heads_and_two_nodes_run_their_own_replicas(tmp_path):
     """TP=4 on a model with 2 KV heads (each rank holds one, replicated as engines do), then
-    the same 4 processes as two "nodes" of TP=2, each with its own prompts."""
-    config = llama()
-    model = model_of(config, seed=4)
+    the same 4 processes as two "nodes" of TP=2, each with its own prompts. The model has MLP
+    and attention biases (issue 30: gate/up biases split with their columns, down and output
+    biases added once)."""
+    config = llama(mlp_bias=True, attention_bias=True)
+    model = with_random_biases(model_of(config, seed=4))
+    assert "model.layers.0.mlp.up_proj.bias" in model.state_dict()
     jobs = [
         job(config, model, [[0, 1, 2, 3]], [conversation(3, 6, 40, 30, 4)], 2 * MiB),
         job(
@@ -248,6 +265,22 @@ def test_a_rank_that_diverges_is_named_on_the_step_it_does(tmp_path):
         message = outcome["message"]
         assert message is not None and f"step {outcome['diverges_at'] + 1}:" in message
         assert "'drop'" in message and "rank 1" in message, message
+
+
+def test_ranks_on_their_own_clocks_agree_with_the_default_policy_once_it_has_learned(tmp_path):
+    """Issue 30: the hazard policy read each process's clock, and ranks dropped different
+    blocks once it had learned (a DivergenceError within a few hundred steps). Its time is
+    now the inflow of blocks, the same on every rank."""
+    outcomes = spawn(tmp_path, 2, "policy_agreement", 1500)
+    for outcome in outcomes:
+        assert outcome["message"] is None, outcome["message"]
+        assert outcome["steps"] == 1500
+        # The run reached the regime that matters: the policy learned and classed pages,
+        # many capacities of blocks came in, the host level took evicted pages and dropped.
+        assert outcome["learned"] and outcome["classed"] > 0
+        assert outcome["inflow"] > 4 * outcome["capacity"]
+        assert outcome["dropped"] > 0 and outcome["moved"][1] > 0
+    assert outcomes[0]["hits"] == outcomes[1]["hits"] > 0
 
 
 def test_need_adjustment_is_agreed_in_both_modes(tmp_path):

@@ -98,7 +98,10 @@ def test_mlp_and_attention_biases_match_transformers():
     config = transformers.LlamaConfig(**COMMON, mlp_bias=True, attention_bias=True)
     model = model_of(config, seed=5)
     state = model.state_dict()
-    assert "model.layers.0.mlp.gate_proj.bias" in state and "model.layers.1.mlp.down_proj.bias" in state
+    assert (
+        "model.layers.0.mlp.gate_proj.bias" in state
+        and "model.layers.1.mlp.down_proj.bias" in state
+    )
     with torch.no_grad():  # (transformers starts biases at zero: make them matter)
         for name, tensor in state.items():
             if name.endswith(".bias"):

@@ -210,53 +210,55 @@ def test_a_page_that_left_the_classed_queue_is_never_taken_from_it_again():
     upper.check_invariants()
 
 
-def learned_policy(now: list[float]) -> HazardPolicy:
-    """10 blocks of capacity, inserted one per second from t=1: at t=10 the rate is 10 blocks
-    in 9 s, so bins of 80 ghosts / (10/9 blocks/s) / 10 bins = 7.2 s and a horizon of 9 s.
-    Then, counts by hand-fed candidates: 40 class-2 leaves all used again 22 s after their last
-    use (bin 3); 40 class-1 leaves never, dropped and forgotten at 60 s (bin 8)."""
-    policy = HazardPolicy(10, lambda: now[0], bins=10)
+def learned_policy() -> HazardPolicy:
+    """10 blocks of capacity and 10 bins: once 10 new blocks came in, one per block of traffic,
+    bins of 80 ghosts / 10 = 8 blocks of traffic and a horizon of 10 (the policy's clock
+    counts the blocks requests used or committed; the test sets it by hand). Then, counts by hand-fed candidates: 40 class-2 leaves all used again 26
+    after their last use (bin 3); 40 class-1 leaves never, dropped and forgotten at 68 (bin 8)."""
+    policy = HazardPolicy(10, bins=10)
     root = block(0)
-    for second in range(1, 11):
-        now[0] = float(second)
-        policy.inserted([Block(second.to_bytes(32, "big"), root, b"", TPB, [None])], now[0])
-    assert policy.width == pytest.approx(7.2) and policy.horizon == pytest.approx(9.0)
+    for n in range(1, 11):
+        assert policy.width == 0
+        policy.inserted([Block(n.to_bytes(32, "big"), root, b"", TPB, [None])])
+        assert policy.now == n
+    assert policy.width == 8 and policy.horizon == 10
     policy._until_fade = 10**9  # no fading while the test feeds counts
-    now[0] = 100.0
     for n in range(40):
-        twice = block(1000 + n, root, uses=2, used_at=now[0])
+        policy.now = 100
+        twice = block(1000 + n, root, uses=2, used_at=100)
         root.kids = None
-        policy.released(twice, now[0])
-        policy.used([twice], now[0] + 22.0)
-        assert twice.uses == 3 and not twice.candidate
-        once = block(2000 + n, root, uses=1, used_at=now[0])
+        policy.released(twice)
+        policy.now = 125
+        policy.used([twice])  # (a block of traffic: the clock reads 126)
+        assert twice.uses == 3 and not twice.candidate and twice.used_at == 126
+        policy.now = 100
+        once = block(2000 + n, root, uses=1, used_at=100)
         root.kids = None
-        policy.released(once, now[0])
+        policy.released(once)
         once.in_tree = False
-        policy.dropped([once], [root], now[0])  # a ghost now
+        policy.dropped([once], [root])  # a ghost now
     for _ in range(40):
         policy.ghosts.pop(next(iter(policy.ghosts)))  # (forgotten: counted by hand below)
-        policy._count(1, 60.0, reused=False)
+        policy._count(1, 68, reused=False)
     assert sum(policy.reuses[2]) == 40 and policy.reuses[2][3] == 40
     assert sum(policy.reuses[1]) == 0 and policy.ended[1][8] == 40
     return policy
 
 
 def test_the_hazard_policy_evicts_the_block_least_likely_to_be_used_within_the_horizon():
-    now = [0.0]
-    policy = learned_policy(now)
-    now[0] = 500.0
-    older_twice = page_of(block(1, uses=2, used_at=now[0] - 15.0))  # 15 s: due at 22 s
-    newer_once = page_of(block(2, uses=1, used_at=now[0] - 1.0))
-    stale_twice = page_of(block(3, uses=2, used_at=now[0] - 40.0))
+    policy = learned_policy()
+    policy.now = 500
+    older_twice = page_of(block(1, uses=2, used_at=480))  # 20 ago: due at 26
+    newer_once = page_of(block(2, uses=1, used_at=499))
+    stale_twice = page_of(block(3, uses=2, used_at=460))
     for page in (older_twice, newer_once, stale_twice):
         page.klass = policy.classify(page)
     assert (older_twice.klass, newer_once.klass) == (2, 1)
     score = policy.scorer()
-    # LRU would take the older block; the hazard keeps it: reused within 9 s with
-    # probability 1, against 0 for a block used once.
+    # LRU would take the older block; the hazard keeps it: reused within 10 blocks of traffic
+    # with probability 1, against 0 for a block used once.
     assert 1.0 <= score(older_twice)[0] < 1.05 and score(newer_once) == (0.0, 0.0)  # (+ tie-break)
-    # Past every reuse seen (30 s and more), a class-2 block is as unlikely as a class-1
+    # Past every reuse seen (32 and more), a class-2 block is as unlikely as a class-1
     # one (the queue then takes the one used longest ago).
     assert score(stale_twice)[0] == 0.0
     # Through a classed queue: the stale one, then the newer block used once; the block
@@ -269,41 +271,41 @@ def test_the_hazard_policy_evicts_the_block_least_likely_to_be_used_within_the_h
 
 
 def test_the_hazard_policy_classes_nothing_before_it_has_seen_a_capacity_of_blocks():
-    now = [1.0]
-    policy = HazardPolicy(10, lambda: now[0])
+    policy = HazardPolicy(10)
     owner = block(1, block(0))
-    policy.inserted([owner], 1.0)
+    policy.inserted([owner])
     assert policy.width == 0 and policy.classify(page_of(owner)) == 0
-    policy.released(owner, 2.0)
+    policy.released(owner)
     assert not owner.candidate  # nothing is counted before the bins are known
 
 
 def test_a_dropped_block_that_comes_back_counts_as_a_reuse_at_its_age_and_keeps_its_uses():
-    now = [0.0]
-    policy = learned_policy(now)
+    policy = learned_policy()
     root = block(0)
-    gone = block(7, root, uses=2, used_at=150.0)
-    policy.released(gone, 150.0)
+    gone = block(7, root, uses=2, used_at=150)
+    policy.now = 150
+    policy.released(gone)
     assert gone.candidate
     gone.in_tree = False
-    policy.dropped([gone], [root], 160.0)
-    assert policy.ghosts[hash(gone.key)] == (150.0, 2) and not gone.candidate
+    policy.now = 160
+    policy.dropped([gone], [root])
+    assert policy.ghosts[gone.key] == (150, 2) and not gone.candidate
     before = policy.reuses[2][2]
     back = Block(gone.key, root, b"", TPB, [None])
-    policy.inserted([back], 170.0)  # back after 20 s: bin 2
-    assert policy.reuses[2][2] == before + 1 and hash(gone.key) not in policy.ghosts
-    assert back.uses == 3 and back.used_at == 170.0
+    policy.now = 170
+    policy.inserted([back])  # back after 20 blocks of traffic: bin 2
+    assert policy.reuses[2][2] == before + 1 and gone.key not in policy.ghosts
+    assert back.uses == 3 and back.used_at == 170 and policy.now == 171
     # More ghosts than 8 per block of capacity: the oldest are forgotten, counted as ended.
     ended = sum(policy.ended[1])
     for key in range(3000, 3085):
-        leaf = block(key, block(0), uses=1, used_at=165.0)
-        policy.released(leaf, 170.0)
+        leaf = block(key, block(0), uses=1, used_at=165)
+        policy.released(leaf)
         leaf.in_tree = False
-        policy.dropped([leaf], [None], 170.0)
+        policy.dropped([leaf], [None])
     assert len(policy.ghosts) == 80 and sum(policy.ended[1]) == ended + 5
-    first_kept = (3005).to_bytes(32, "big")
-    assert hash((3004).to_bytes(32, "big")) not in policy.ghosts  # the oldest went
-    assert next(iter(policy.ghosts)) == hash(first_kept)
+    assert (3004).to_bytes(32, "big") not in policy.ghosts  # the oldest went
+    assert next(iter(policy.ghosts)) == (3005).to_bytes(32, "big")
 
 
 def shared_documents(seconds: int) -> list[tuple[float, list[int]]]:
@@ -344,7 +346,8 @@ def serve(policy: str, turns: list[tuple[float, list[int]]]) -> tuple[int, KVCac
 
 def test_through_a_manager_the_hazard_policy_keeps_what_comes_back():
     # 32 blocks; about 3.3 blocks come in per second, so LRU keeps a block about 9.6 s, and
-    # each document comes back after 12 s: LRU never reuses one. The hazard policy learns that
+    # each document comes back after 12 s: LRU never reuses one. (The policy's clock counts
+    # blocks of traffic, not seconds: the same proportions.) The hazard policy learns that
     # blocks used once are not used again and blocks used twice are, 12 s later.
     turns = shared_documents(400)
     lru, m_lru = serve("lru", turns)
@@ -362,10 +365,10 @@ def test_through_a_manager_the_hazard_policy_keeps_what_comes_back():
 
 
 def test_lfu_drops_blocks_used_once_before_blocks_used_more():
-    policy = LfuPolicy(10, lambda: 0.0)
-    once, twice = block(1, used_at=5.0), block(2, used_at=1.0)
-    policy.inserted([once, twice], 0.0)
-    policy.used([twice], 1.0)
+    policy = LfuPolicy(10)
+    once, twice = block(1, used_at=5), block(2, used_at=1)
+    policy.inserted([once, twice])
+    policy.used([twice])
     pages = [page_of(twice), page_of(once)]
     queue = ClassedQueue(policy, CLASSES)
     queue.push_all(pages)
@@ -501,3 +504,46 @@ def test_the_queue_scores_a_run_once():
         queue.push_all([page_of(owner) for owner in reversed(chain)])
         assert len(queue.oldest(8)) == 8
         assert policy.calls <= most and (by_age or policy.calls == 8), policy.calls
+
+
+@pytest.mark.parametrize("policy", ["hazard", "lfu"])
+def test_two_managers_on_clocks_apart_take_the_same_decisions(policy):
+    """Issue 30's reproduction: the same calls to two managers whose clocks differ by up to
+    2 ms. The learned policy once read the clock, and the managers dropped different blocks
+    from request 562 on; its time is now the inflow of blocks."""
+    import random
+
+    now, jitter = [0.0], random.Random(1)
+    config = make_config(
+        [record_layer(0, 8, repeats=1024)], [GpuCacheTierConfig(2 * MiB)], 8, eviction_policy=policy
+    )
+    managers = [
+        KVCacheManager(config, clock=lambda: now[0]),
+        KVCacheManager(config, clock=lambda: now[0] + jitter.random() * 0.002),
+    ]
+    for m in managers:
+        m.record_decisions(True)
+    rng = random.Random(0)
+    documents = [
+        [rng.randrange(1000) for _ in range(rng.choice([16, 24, 40, 64]))] for _ in range(60)
+    ]
+    weights = [1 / (i + 1) for i in range(60)]
+    drops = 0
+    for _ in range(1200):
+        now[0] += rng.expovariate(50.0)
+        prompt = rng.choices(documents, weights)[0]
+        prompt = prompt + [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
+        logs = []
+        for m in managers:
+            cache = m.create_kv_cache(None, prompt)
+            if cache.resume() and cache.resize(len(prompt)):
+                cache.commit(prompt[cache.num_committed_tokens :])
+            cache.close()
+            logs.append(m.take_decisions())
+        assert logs[0] == logs[1]
+        drops += sum(1 for decision in logs[0] if decision[0] == "drop")
+    learned = managers[0]._policy
+    assert isinstance(learned, HazardPolicy) and learned.width > 0 and drops > 100
+    assert managers[0]._storage.queues[0][0]._classed > 0
+    for m in managers:
+        shutdown(m)

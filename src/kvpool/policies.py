@@ -8,11 +8,19 @@ list per class, each in release order) and choose, at each eviction, which list'
 goes. Engine priorities still come first: only default-priority pages are classed.
 
 What a policy sees (each hook O(1) per block it is given):
-- `used(blocks, now)`: a new request matched these cached blocks;
-- `inserted(blocks, now)`: a request committed these blocks (new, or already in the tree);
-- `released(block, now)`: a request closed; `block` is the deepest block it committed or used;
-- `dropped(blocks, parents, now)`: these blocks' last-level pages were dropped (`parents`: their
+- `used(blocks)`: a new request matched these cached blocks;
+- `inserted(blocks)`: a request committed these blocks (new, or already in the tree);
+- `released(block)`: a request closed; `block` is the deepest block it committed or used;
+- `dropped(blocks, parents)`: these blocks' last-level pages were dropped (`parents`: their
   parents before that, which may have become leaves).
+Time, for a policy, is logical: the number of blocks requests have used (matched) or committed
+so far, the cache's block traffic. A block's age is the traffic since its last use, so a
+policy's picks are a function of the calls the manager was given, never of a process's clock:
+replicated managers on several ranks, and a replay run twice, pick the same victims. (Traffic
+stands in for time as well as the trace's own clock does: on the Mooncake traces the hazard
+policy's hit rates are the same or higher with it; the new blocks alone, a tempting unit, lose
+up to 8% at small caches of the synthetic trace.)
+
 What it decides:
 - `classify(page)`: the class of a page queued at the last level (0: the one LRU list);
   `classify_all(pages)` the same for a batch (one call per released request);
@@ -25,17 +33,17 @@ What it decides:
 Policies:
 - `lru`: no classes; the queue's own order.
 - `hazard` (the default): learns online, per use-count class (used once, twice, three times or
-  more), the probability that a block unused for a given time is used again within a horizon
-  (capacity / inflow seconds), and evicts, of the class lists' oldest leaves, the one least
-  likely to be; it leaves LRU's choice (the head used longest ago) only for a head scoring
-  lower by more than `margin` plus one standard error of each score. Both signals matter on
-  real traces: a block used twice is about twice as likely to come back as a block used once,
-  and on conversations the next turn comes a minute or two later, when LRU has just dropped
-  it. The estimate is a discrete hazard over eviction
-  candidates (cached leaves, and dropped ones remembered as ghosts: 8 per block of capacity):
-  at each candidate's end (reused, or censored: extended, or forgotten as a ghost) one count
-  in its age bin; the counts fade by 0.7 per capacity (at least 16,384) of inserted blocks.
-  Until it has seen a capacity of inserted blocks it classes nothing (LRU). Cost: one
+  more), the probability that a block unused for a given age is used again within a horizon
+  (the traffic that brings a capacity of new blocks: about how long LRU keeps a block), and
+  evicts, of the class lists' oldest leaves, the one least likely to be; it leaves LRU's
+  choice (the head used longest ago) only for a head scoring lower by more than `margin` plus
+  one standard error of each score. Both signals matter on real traces: a block used twice is
+  about twice as likely to come back as a block used once, and on conversations the next turn
+  comes back a little after LRU has dropped it. The estimate is a discrete hazard over
+  eviction candidates (cached leaves, and dropped ones remembered as ghosts: 8 per block of
+  capacity): at each candidate's end (reused, or censored: extended, or forgotten as a ghost)
+  one count in its age bin; the counts fade by 0.7 per capacity (at least 16,384) of inserted
+  blocks. Until it has seen a capacity of inserted blocks it classes nothing (LRU). Cost: one
   ghost-table lookup per new block, a few attribute updates per block used, O(classes) per
   eviction, and a score table of 4 x 48 entries per class rebuilt every eighth of a capacity
   of insertions; memory: about 120 bytes per ghost.
@@ -76,16 +84,16 @@ class EvictionPolicy:
     # of a class used at the same time score the same, and the queue takes them in runs).
     scores_by_age = False
 
-    def used(self, blocks: Sequence[Block], now: float) -> None:
+    def used(self, blocks: Sequence[Block]) -> None:
         pass
 
-    def inserted(self, blocks: Sequence[Block], now: float) -> None:
+    def inserted(self, blocks: Sequence[Block]) -> None:
         pass
 
-    def released(self, block: Block, now: float) -> None:
+    def released(self, block: Block) -> None:
         pass
 
-    def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None], now: float) -> None:
+    def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None]) -> None:
         pass
 
     def classify(self, page: Page) -> int:
@@ -116,14 +124,12 @@ class HazardPolicy(EvictionPolicy):
     def __init__(
         self,
         capacity_blocks: int,
-        clock: Callable[[], float],
         horizon_factor: float = 1.0,
         bins: int = 48,
         ghosts_per_block: int = 8,
         fade: float = 0.7,
     ) -> None:
         self.capacity = capacity_blocks
-        self.clock = clock
         self.horizon_factor = horizon_factor
         self.bins = bins
         self.ghost_limit = ghosts_per_block * capacity_blocks
@@ -136,12 +142,14 @@ class HazardPolicy(EvictionPolicy):
         self.started = [[0.0] * bins for _ in range(CLASSES + 1)]
         self.ended = [[0.0] * bins for _ in range(CLASSES + 1)]
         self.reuses = [[0.0] * bins for _ in range(CLASSES + 1)]
-        # hash(key) -> (last use, uses), oldest first (an OrderedDict: a plain dict's first
-        # item costs O(deleted items) to find, and the oldest ghost is dropped at every drop)
-        self.ghosts: OrderedDict[int, tuple[float, int]] = OrderedDict()
-        self.first_insert: float | None = None
-        self.inserts = 0
-        self.width = 0.0  # seconds per age bin, once the inflow rate is known
+        # block key -> (last use, uses), oldest first (an OrderedDict: a plain dict's first
+        # item costs O(deleted items) to find, and the oldest ghost is dropped at every drop;
+        # the key itself, not its salted hash(), so no process's hash seed can matter)
+        self.ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self.now = 0  # the clock: blocks requests used or committed so far
+        self.first_insert: int | None = None
+        self.inserts = 0  # new blocks so far
+        self.width = 0.0  # block traffic per age bin, once a capacity of new blocks came in
         self.horizon = 0.0
         self._until_fade = self.fade_blocks
         self._until_refresh = self.refresh_blocks
@@ -150,16 +158,19 @@ class HazardPolicy(EvictionPolicy):
 
     # -- hooks -----------------------------------------------------------------------------------
 
-    def used(self, blocks: Sequence[Block], now: float) -> None:
+    def used(self, blocks: Sequence[Block]) -> None:
+        self.now = now = self.now + len(blocks)
         for block in blocks:
             if block.candidate:
                 self._end(block, now, reused=True)
             block.uses += 1
             block.used_at = now
 
-    def inserted(self, blocks: Sequence[Block], now: float) -> None:
+    def inserted(self, blocks: Sequence[Block]) -> None:
+        """Stamps the blocks with the current time, then advances it by their number."""
         if not blocks:
             return
+        now = self.now
         if self.first_insert is None:
             self.first_insert = now
         parent = blocks[0].parent
@@ -171,7 +182,7 @@ class HazardPolicy(EvictionPolicy):
                 self._end(block, now, reused=True)
             elif not block.uses:  # new in the tree
                 new += 1
-                key = hash(block.key)
+                key = block.key
                 if key in ghosts:  # back after it was dropped (a test is cheaper than a pop)
                     used_at, uses = ghosts.pop(key)
                     self._count(min(uses, CLASSES), now - used_at, reused=True)
@@ -179,8 +190,9 @@ class HazardPolicy(EvictionPolicy):
             block.uses += 1
             block.used_at = now
         self.inserts += new
+        self.now = now + len(blocks)
         if not self.width:
-            self._learn_rate(now)
+            self._learn_rate()
         self._until_refresh -= new
         if self._until_refresh <= 0:
             self._until_refresh = self.refresh_blocks
@@ -189,14 +201,15 @@ class HazardPolicy(EvictionPolicy):
         if self._until_fade <= 0:
             self._fade()
 
-    def released(self, block: Block, now: float) -> None:
+    def released(self, block: Block) -> None:
         if self.width and block.in_tree and block.kids is None and not block.candidate:
-            self._start(block, now)
+            self._start(block, self.now)
 
-    def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None], now: float) -> None:
+    def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None]) -> None:
         if not self.width:
             return
-        ghosts, started, width, last_bin = self.ghosts, self.started, self.width, self.bins - 1
+        now, ghosts, started, width = self.now, self.ghosts, self.started, self.width
+        last_bin = self.bins - 1
         for block in blocks:
             if not block.in_tree:  # a candidate from now on, as a ghost
                 uses, used_at = block.uses, block.used_at
@@ -206,7 +219,7 @@ class HazardPolicy(EvictionPolicy):
                         age_bin if age_bin < last_bin else last_bin
                     ] += 1
                 block.candidate = False  # (the ghost carries it)
-                ghosts[hash(block.key)] = (used_at, uses)
+                ghosts[block.key] = (used_at, uses)
         excess = len(ghosts) - self.ghost_limit
         if excess > 0:  # forget the oldest: censored
             ended, forget = self.ended, ghosts.popitem
@@ -242,7 +255,7 @@ class HazardPolicy(EvictionPolicy):
     def scorer(self) -> Callable[[Page], tuple[float, float]]:
         if not self.width:  # (nothing was classed)
             return super().scorer()
-        scores, now, per_bin = self._score_table(), self.clock(), 4 / self.width
+        scores, now, per_bin = self._score_table(), self.now, 4 / self.width
         size = 4 * self.bins
         errors = self._errors
 
@@ -256,29 +269,31 @@ class HazardPolicy(EvictionPolicy):
 
     # -- the hazard ------------------------------------------------------------------------------
 
-    def _bin(self, age: float) -> int:
+    def _bin(self, age: int) -> int:
         return min(int(age / self.width), self.bins - 1)
 
-    def _start(self, block: Block, now: float) -> None:
+    def _start(self, block: Block, now: int) -> None:
         self.started[use_class(block)][self._bin(now - block.used_at)] += 1
         block.candidate = True
 
-    def _end(self, block: Block, now: float, reused: bool) -> None:
+    def _end(self, block: Block, now: int, reused: bool) -> None:
         self._count(use_class(block), now - block.used_at, reused)
         block.candidate = False
 
-    def _count(self, klass: int, age: float, reused: bool) -> None:
+    def _count(self, klass: int, age: int, reused: bool) -> None:
         if self.width:
             b = self._bin(age)
             self.ended[klass][b] += 1
             if reused:
                 self.reuses[klass][b] += 1
 
-    def _learn_rate(self, now: float) -> None:
-        """Once a capacity of blocks has come in: the bin width and horizon from its rate."""
+    def _learn_rate(self) -> None:
+        """Once a capacity of new blocks has come in: the rate of new blocks per block of
+        traffic, and from it the age bins (spanning the ghosts' memory: a ghost is forgotten
+        after about `ghost_limit` new blocks) and the horizon (a capacity of new blocks)."""
         assert self.first_insert is not None
-        if self.inserts >= self.capacity and now > self.first_insert:
-            rate = self.inserts / (now - self.first_insert)  # blocks per second
+        if self.inserts >= self.capacity and self.now > self.first_insert:
+            rate = self.inserts / (self.now - self.first_insert)  # new blocks per block used
             self.width = self.ghost_limit / rate / self.bins
             self.horizon = self.horizon_factor * self.capacity / rate
 
@@ -345,14 +360,14 @@ class LfuPolicy(HazardPolicy):
         return lambda page: (page.klass, 0.0)
 
 
-def make_policy(name: str, capacity_blocks: int, clock: Callable[[], float]) -> EvictionPolicy:
+def make_policy(name: str, capacity_blocks: int) -> EvictionPolicy:
     """The policy `name` for a cache of `capacity_blocks` blocks (every level together)."""
     if name == "lru":
         return EvictionPolicy()
     if name == "hazard":
-        return HazardPolicy(capacity_blocks, clock)
+        return HazardPolicy(capacity_blocks)
     if name == "lfu":
-        return LfuPolicy(capacity_blocks, clock)
+        return LfuPolicy(capacity_blocks)
     raise ConfigError(
         f"eviction_policy={name!r} is invalid: must be one of {list(EVICTION_POLICIES)}"
     )

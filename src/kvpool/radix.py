@@ -235,7 +235,7 @@ class RadixTree:
             block.kids = None
             block.num_partial_children = 0
             block.in_tree = True
-            block.used_at, block.uses, block.candidate = 0.0, 0, False
+            block.used_at, block.uses, block.candidate = 0, 0, False
         else:
             block = Block(key, parent, data, num_tokens, self._no_pages)
         self.index[key] = block

@@ -133,7 +133,7 @@ class Block(list["Page | None"]):
         self.ordinal: int = -1 if parent is None else parent.ordinal + 1
         self.scope: bytes = key if parent is None else parent.scope  # the root's key
         # Kept only by an eviction policy that needs them (`kvpool.policies`):
-        self.used_at = 0.0  # when a request last used it
+        self.used_at = 0  # when a request last used it (the policy's logical time)
         self.uses = 0  # how many requests used it
         self.candidate = False  # counted as an eviction candidate (a leaf, since `used_at`)
         self.kids: Block | dict[bytes, Block] | None = None

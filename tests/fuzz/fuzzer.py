@@ -17,7 +17,18 @@ After every operation:
   changed nothing; one that raised `StorageError` (an injected I/O fault) left every request's
   state, pages and bytes as they were.
 
-Run a long fuzz:   python -m tests.fuzz.fuzzer --ops 100000 [--layout NAME] [--seed N]
+The `remote` layout puts a shared tier (a valkey-server the run starts) below the levels, and
+its `tamper` operation swaps two stored values, copies one over another key or damages one, as
+a bug elsewhere or a hand on the server would: whatever a request then reads must still be its
+own KV (a tampered value is a miss), checked record by record.
+
+Twins (`--twins`): the same operations drive two managers, one on a clock that counts the
+operations and one on the process's own `time.monotonic` (shifted by a day), and their decision
+logs (`record_decisions`: prefix hits, drops and moves by slot id, re-splits) must be equal
+after every operation: every decision is a function of the calls, never of a clock. (Injected
+faults are left out there: which of a batch's parallel copies meets a fault is thread timing.)
+
+Run a long fuzz:   python -m tests.fuzz.fuzzer --ops 100000 [--layout NAME] [--seed N] [--twins]
 Replay a failure:  python -m tests.fuzz.fuzzer --replay failure.json
 """
 
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import json
 import random
@@ -53,16 +65,19 @@ from kvpool import (
     KVCacheStatus,
     LogicError,
     OutOfPagesError,
+    RemoteCacheTierConfig,
     ReuseScope,
     SsmLayerConfig,
     StorageError,
 )
 from kvpool.events import cached_blocks
-from kvpool.events.log import MEDIA, KVEventLog
+from kvpool.events.log import MEDIA, MEDIUM_EXTERNAL, KVEventLog
 from kvpool.lifecycles import SsmLifeCycle
+from kvpool.remote.values import KEY_PREFIX
 from kvpool.tiers import allocation
 from tests.engine_check import CheckingEngine
 from tests.faults import DiskFaults, state_of
+from tests.valkey_servers import ValkeyServer, server_binary
 
 MiB = 1 << 20
 TPB = 4
@@ -126,7 +141,11 @@ LAYOUTS: dict[str, Callable[[str], KVCacheManagerConfig]] = {
         ],
         _tiers(d, gpu=4, host=4, disk=8),
     ),
+    # A shared tier below a GPU and a host level (a server the run starts), values tampered
+    # with now and then (the `tamper` operation).
+    "remote": lambda d: _config([_kv(0), _kv(1)], _tiers(d, gpu=2, host=2)),
 }
+REMOTE_LAYOUTS = {"remote"}
 
 # Module attributes a layout sets for its run: (module, name, value).
 LAYOUT_SETTINGS: dict[str, list[tuple[Any, str, Any]]] = {
@@ -163,6 +182,8 @@ class Run:
     directory: str
     monkeypatch: Any
     seed: int = 0
+    real_clock: bool = False  # the process's clock (shifted by a day), not the operation count
+    remote_url: str | None = None  # the shared tier's server (a remote layout)
     requests: list[Request | None] = field(default_factory=list)
     open_requests: dict[int, Request] = field(default_factory=dict)  # by number, not closed
     committed: set[int] = field(default_factory=set)
@@ -172,7 +193,12 @@ class Run:
         self.now = 0.0
         for module, name, value in LAYOUT_SETTINGS.get(self.layout, ()):
             self.monkeypatch.setattr(module, name, value)
-        self.manager = KVCacheManager(LAYOUTS[self.layout](self.directory), clock=lambda: self.now)
+        clock = (lambda: time.monotonic() + 86400.0) if self.real_clock else (lambda: self.now)
+        config = LAYOUTS[self.layout](self.directory)
+        if self.remote_url is not None:
+            remote = RemoteCacheTierConfig(self.remote_url, timeout_ms=5000)
+            config = dataclasses.replace(config, remote_tier=remote)
+        self.manager = KVCacheManager(config, clock=clock)
         self.engine = CheckingEngine(self.manager)
         self.faults = DiskFaults(self.manager).install(self.monkeypatch)
         rng = random.Random(self.seed)
@@ -181,6 +207,7 @@ class Run:
             for _ in range(5)
         ]
         self.callback_calls = 0
+        self._client: Any = None
         self._fault_ttl = 0
         self._injected_before = 0
         # KV events, applied to a router's view (in process): after every operation, whatever
@@ -209,6 +236,8 @@ class Run:
             self._fault_ttl -= 1
             if self._fault_ttl <= 0 or self.faults.total_injected > self._injected_before:
                 self.faults.disarm()
+            if self.remote_url is not None:  # (the server's content a function of the ops)
+                assert self.manager.flush_remote_writes(30)
         with self.faults.paused():
             self.verify()
 
@@ -477,6 +506,36 @@ class Run:
         if not failed and not isinstance(outcome, BaseException):
             self.stats["adjusts"] += 1
 
+    def op_tamper(self, kind: str, seed: int) -> None:
+        """Swap two values on the server, copy one over another key, or damage one."""
+        if self.remote_url is None:
+            return
+        client = self._server_client()
+        keys = sorted(k for k in client.keys(b"*") if k.startswith(KEY_PREFIX))
+        if len(keys) < 2:
+            return
+        rng = random.Random(seed)
+        first, second = rng.sample(keys, 2)
+        one, two = client.get(first), client.get(second)
+        if one is None or two is None:
+            return
+        if kind == "swap":
+            client.set(first, two)
+            client.set(second, one)
+        elif kind == "copy":
+            client.set(second, one)
+        else:  # "damage": one byte of the payload flipped
+            at = len(one) - 1 - rng.randrange(min(len(one), 4096))
+            client.set(first, one[:at] + bytes([one[at] ^ 0x40]) + one[at + 1 :])
+        self.stats["values tampered with"] += 1
+
+    def _server_client(self) -> Any:
+        if self._client is None:
+            import valkey
+
+            self._client = valkey.Valkey.from_url(self.remote_url, socket_timeout=5)
+        return self._client
+
     def op_rebalance(self) -> None:
         """The engine's rebalancing hook: adjust() when need_adjustment says so."""
         if self.manager.need_adjustment:
@@ -502,6 +561,10 @@ class Run:
                 self.event_view.clear()
                 continue
             blocks = self.event_view.setdefault(event.medium, set())
+            if event.medium == MEDIUM_EXTERNAL:  # (the server, not the tree: never removed)
+                assert kind == "BlockStored", event
+                blocks.update((h, event.group_idx) for h in event.block_hashes)
+                continue
             for pair in [(h, event.group_idx) for h in event.block_hashes]:
                 if kind == "BlockStored":
                     assert pair not in blocks, f"KV event stores {pair} twice on {event.medium}"
@@ -514,7 +577,11 @@ class Run:
         manager = self.manager
         manager.check_invariants()
         manager.flush_kv_events()
-        view = {medium: blocks for medium, blocks in self.event_view.items() if blocks}
+        view = {
+            medium: blocks
+            for medium, blocks in self.event_view.items()
+            if blocks and medium != MEDIUM_EXTERNAL
+        }
         assert view == cached_blocks(manager), "the KV events disagree with the tree"
         layout = manager.layout
         for index in list(self.open_requests):
@@ -565,15 +632,18 @@ OP_WEIGHTS = {
     "adjust": 2,
     "rebalance": 2,
     "fault": 3,
+    "tamper": 0,  # (remote layouts: see REMOTE_WEIGHTS)
 }
+REMOTE_WEIGHTS = {**OP_WEIGHTS, "tamper": 3, "clear": 2}
 FAULT_CALLS = ["pwritev", "preadv", "posix_fallocate"]
 FAULT_CODES = ["EIO", "ENOSPC", "interrupt"]
 
 
 def generate(rng: random.Random, run: Run) -> Op:
     """One operation, weighted, on requests in a state where it does something."""
-    names = list(OP_WEIGHTS)
-    name = rng.choices(names, weights=[OP_WEIGHTS[n] for n in names])[0]
+    weights = REMOTE_WEIGHTS if run.remote_url is not None else OP_WEIGHTS
+    names = list(weights)
+    name = rng.choices(names, weights=[weights[n] for n in names])[0]
     live = [i for i in list(run.open_requests) if run._live(i) is not None]
     active = [i for i in live if run.requests[i].cache.status is KVCacheStatus.ACTIVE]  # type: ignore[union-attr]
     suspended = [i for i in live if i not in active]
@@ -621,6 +691,8 @@ def generate(rng: random.Random, run: Run) -> Op:
         return ["adjust", rng.randrange(3), [rng.choice([0.1, 0.3, 0.5, 1.0]) for _ in range(3)]]
     if name == "fault":
         return ["fault", rng.choice(FAULT_CALLS), rng.choice(FAULT_CODES), rng.randrange(3)]
+    if name == "tamper":
+        return ["tamper", rng.choice(["swap", "copy", "damage"]), rng.randrange(1 << 30)]
     return [name]
 
 
@@ -634,17 +706,26 @@ class FuzzFailure(AssertionError):
 
 
 @contextlib.contextmanager
-def _run(layout: str, seed: int) -> Iterator[Run]:
+def _run(layout: str, seed: int, real_clock: bool = False) -> Iterator[Run]:
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-fuzz-") as directory,
         pytest.MonkeyPatch.context() as mp,
     ):
-        run = Run(layout, directory, mp, seed)
+        server = None
+        if layout in REMOTE_LAYOUTS:
+            if server_binary() is None:
+                pytest.skip("no valkey-server binary")
+            server = ValkeyServer(Path(directory) / "valkey").start()
         try:
-            yield run
+            run = Run(layout, directory, mp, seed, real_clock, server and server.url)
+            try:
+                yield run
+            finally:
+                with contextlib.suppress(Exception):
+                    run.manager._closed or run.close()
         finally:
-            with contextlib.suppress(Exception):
-                run.manager._closed or run.close()
+            if server is not None:
+                server.stop()
 
 
 def replay(layout: str, seed: int, ops: list[Op], finish: bool = True) -> Run:
@@ -674,6 +755,7 @@ def fuzz(layout: str, seed: int, num_ops: int) -> Counter[str]:
             moved, dropped = sum(counters.num_moved), counters.num_dropped
             swapped, relocated = counters.num_swapped, counters.num_relocated
             copied = run.manager.stats().copy_on_write_pages
+            remote = run.manager.remote_statistics()
             run.close()
         except BaseException as error:
             raise FuzzFailure(layout, seed, ops, error) from error
@@ -686,12 +768,74 @@ def fuzz(layout: str, seed: int, num_ops: int) -> Counter[str]:
         stats["pages copied on write"] = copied
         stats["records checked"] = run.engine.records_checked
         stats["eviction policy learned"] = learned
+        if remote is not None:
+            stats["remote blocks fetched"] = remote.fetched_blocks
+            stats["remote values refused"] = remote.corrupt_values
         return stats
 
 
-def _fails(layout: str, seed: int, ops: list[Op], signature: str) -> bool:
+def _decisions(run: Run, ops: list[Op], log: list[list[Any]] | None = None) -> list[list[Any]]:
+    """Apply `ops` recording the manager's decisions: one list per operation."""
+    log = [] if log is None else log
+    run.manager.record_decisions(True)
+    for op in ops:
+        run.apply(op)
+        log.append(run.manager.take_decisions())
+    return log
+
+
+def replay_twins(layout: str, seed: int, ops: list[Op]) -> Run:
+    """Apply `ops` to a manager on the operation clock and to one on the process's clock;
+    raises `AssertionError` at the first operation after which their decisions differ."""
+    with _run(layout, seed) as first:
+        logs = _decisions(first, ops)
+        first.close()
+    with _run(layout, seed, real_clock=True) as second:
+        logs_second = _decisions(second, ops)
+        second.close()
+    for index, (ours, theirs) in enumerate(zip(logs, logs_second, strict=True)):
+        if ours != theirs:
+            raise AssertionError(
+                f"twins decided differently at operation {index} {ops[index]}: {ours} != {theirs}"
+            )
+    return second
+
+
+def twins(layout: str, seed: int, num_ops: int) -> Counter[str]:
+    """Generate `num_ops` operations (no injected faults) on a manager on the operation clock,
+    then drive a twin on the process's clock with them; their decisions must be equal after
+    every operation (`FuzzFailure` otherwise)."""
+    rng = random.Random(seed)
+    ops: list[Op] = []
+    with _run(layout, seed) as run:
+        run.manager.record_decisions(True)
+        try:
+            while len(ops) < num_ops:
+                op = generate(rng, run)
+                if op[0] == "fault":
+                    continue
+                ops.append(op)
+                run.apply(op)
+                run.manager.take_decisions()
+            run.close()
+        except BaseException as error:
+            raise FuzzFailure(layout, seed, ops, error) from error
     try:
-        replay(layout, seed, ops)
+        second = replay_twins(layout, seed, ops)
+    except BaseException as error:
+        raise FuzzFailure(layout, seed, ops, error) from error
+    policy = second.manager._policy
+    stats = second.stats
+    stats["eviction policy learned"] = int(getattr(policy, "width", 0) > 0)
+    stats["pages dropped"] = second.manager._storage.num_dropped
+    return stats
+
+
+def _fails(
+    layout: str, seed: int, ops: list[Op], signature: str, replayer: Callable[..., Any] = replay
+) -> bool:
+    try:
+        replayer(layout, seed, ops)
     except BaseException as error:
         return _signature(error) == signature
     return False
@@ -714,12 +858,17 @@ def _request_of(op: Op) -> int | None:
 
 
 def shrink(
-    layout: str, seed: int, ops: list[Op], error: BaseException, seconds: float = 300.0
+    layout: str,
+    seed: int,
+    ops: list[Op],
+    error: BaseException,
+    seconds: float = 300.0,
+    replayer: Callable[..., Any] = replay,
 ) -> list[Op]:
     """Make a failing operation list short while the same failure still happens (for at most
     `seconds`; the shortest list found by then is returned): first drop whole requests (their
     `create` becomes a `void` that keeps later requests' numbers), then chunks of operations,
-    halving the chunk size (delta debugging)."""
+    halving the chunk size (delta debugging). `replayer`: `replay`, or `replay_twins`."""
     signature = _signature(error)
     deadline = time.monotonic() + seconds
 
@@ -749,7 +898,11 @@ def shrink(
                 else:
                     gone = set(dropped)
                     candidate = [op for j, op in enumerate(ops) if j not in gone]
-                if candidate and candidate != ops and _fails(layout, seed, candidate, signature):
+                if (
+                    candidate
+                    and candidate != ops
+                    and _fails(layout, seed, candidate, signature, replayer)
+                ):
                     ops = candidate
                     items = items[:i] + items[i + chunk :]
                     if reduce == "operations":
@@ -758,7 +911,7 @@ def shrink(
                     i += chunk
             chunk //= 2
     compact = _renumber(ops)
-    return compact if _fails(layout, seed, compact, signature) else ops
+    return compact if _fails(layout, seed, compact, signature, replayer) else ops
 
 
 def _renumber(ops: list[Op]) -> list[Op]:
@@ -777,12 +930,13 @@ def _renumber(ops: list[Op]) -> list[Op]:
     ]
 
 
-def save(path: Path, layout: str, seed: int, ops: list[Op], error: BaseException) -> None:
-    path.write_text(
-        json.dumps(
-            {"layout": layout, "seed": seed, "error": _signature(error), "ops": ops}, indent=None
-        )
-    )
+def save(
+    path: Path, layout: str, seed: int, ops: list[Op], error: BaseException, twins: bool = False
+) -> None:
+    saved = {"layout": layout, "seed": seed, "error": _signature(error), "ops": ops}
+    if twins:
+        saved["twins"] = True
+    path.write_text(json.dumps(saved, indent=None))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -793,24 +947,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay", type=Path, help="replay a saved failure")
     parser.add_argument("--out", type=Path, default=Path("fuzz-failure.json"))
     parser.add_argument("--shrink-seconds", type=float, default=300.0)
+    parser.add_argument(
+        "--twins", action="store_true", help="compare the decisions of two managers' clocks"
+    )
     args = parser.parse_args(argv)
     if args.replay:
         saved = json.loads(args.replay.read_text())
-        replay(saved["layout"], saved["seed"], saved["ops"])
+        (replay_twins if saved.get("twins") else replay)(
+            saved["layout"], saved["seed"], saved["ops"]
+        )
         print("replay passed")
         return 0
     total: Counter[str] = Counter()
+    run_layout = twins if args.twins else fuzz
+    replayer = replay_twins if args.twins else replay
     for layout in args.layout or sorted(LAYOUTS):
         started = time.perf_counter()
         try:
-            stats = fuzz(layout, args.seed, args.ops)
+            stats = run_layout(layout, args.seed, args.ops)
         except FuzzFailure as failure:
             traceback.print_exception(failure.error)
-            save(args.out, failure.layout, failure.seed, failure.ops, failure.error)
+            save(args.out, failure.layout, failure.seed, failure.ops, failure.error, args.twins)
             small = shrink(
-                failure.layout, failure.seed, failure.ops, failure.error, args.shrink_seconds
+                failure.layout,
+                failure.seed,
+                failure.ops,
+                failure.error,
+                args.shrink_seconds,
+                replayer,
             )
-            save(args.out, failure.layout, failure.seed, small, failure.error)
+            save(args.out, failure.layout, failure.seed, small, failure.error, args.twins)
             print(
                 f"{layout}: failed after {len(failure.ops)} ops; shrunk to {len(small)}: {args.out}"
             )

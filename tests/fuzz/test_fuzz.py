@@ -1,12 +1,24 @@
 """The model-based fuzzer in the suite: a short run per layout (`--fuzz-ops N` for a long one),
 and checks that the fuzzer itself catches bugs and shrinks them to a replayable list."""
 
+import time
+
 import pytest
 
 from kvpool.cache import KVCache
+from kvpool.policies import HazardPolicy
 from kvpool.storage.copier import Copier
 from kvpool.tiers import StorageManager
-from tests.fuzz.fuzzer import LAYOUTS, FuzzFailure, fuzz, replay, save, shrink
+from tests.fuzz.fuzzer import (
+    LAYOUTS,
+    FuzzFailure,
+    fuzz,
+    replay,
+    replay_twins,
+    save,
+    shrink,
+    twins,
+)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -36,6 +48,9 @@ def test_fuzz(layout, request, tmp_path):
         assert stats["faults injected"] > 0
     if layout == "hybrid":
         assert stats["rebalances"] > 0
+    if layout == "remote":  # blocks came back from the server, and tampered values were refused
+        assert stats["remote blocks fetched"] > 0 and stats["values tampered with"] > 0
+        assert stats["remote values refused"] > 0
 
 
 def _buggy_set_priority(self, page, priority):
@@ -73,3 +88,35 @@ def test_fuzzer_catches_a_planted_bug_and_shrinks_it(monkeypatch, tmp_path, targ
         replay(failure.layout, failure.seed, small)
     monkeypatch.undo()
     replay(failure.layout, failure.seed, small)  # and passes without the bug
+
+
+@pytest.mark.parametrize("layout", ["gpu", "gpu-host-disk", "hybrid", "tight"])
+def test_twins_on_different_clocks_take_the_same_decisions(layout, request):
+    ops, seed = request.config.getoption("--fuzz-ops"), request.config.getoption("--fuzz-seed")
+    try:
+        stats = twins(layout, seed, ops // 2)
+    except FuzzFailure as failure:
+        small = shrink(layout, seed, failure.ops, failure.error, 60, replay_twins)
+        pytest.fail(f"{layout}: {failure}; shrunk to {len(small)}: {small}")
+    # The runs reached the policy's learned regime, where its picks depend on blocks' ages.
+    assert stats["eviction policy learned"] == 1 and stats["pages dropped"] > 0
+    assert stats["reused tokens"] > 0
+
+
+def _clock_reading_inserted(real):
+    def inserted(self, blocks):
+        real(self, blocks)
+        self.now += time.perf_counter_ns() // 1000 % 64  # ages from the process's clock
+
+    return inserted
+
+
+def test_the_twins_catch_a_policy_that_reads_the_process_clock(monkeypatch):
+    monkeypatch.setattr(HazardPolicy, "inserted", _clock_reading_inserted(HazardPolicy.inserted))
+    with pytest.raises(FuzzFailure, match="twins decided differently") as caught:
+        twins("gpu", 1, 1500)
+    failure = caught.value
+    small = shrink(failure.layout, failure.seed, failure.ops, failure.error, 10, replay_twins)
+    assert len(small) < len(failure.ops)
+    monkeypatch.undo()
+    replay_twins(failure.layout, failure.seed, small)  # and the same decisions without it

@@ -118,7 +118,7 @@ class Commits(RequestState):
             return
         blocks, orphans = self._ctx.tree.insert_chain(parent, keys, datas)
         if self._ctx.policy is not None:
-            self._ctx.policy.inserted(blocks, self._ctx.clock())
+            self._ctx.policy.inserted(blocks)
         for orphan in orphans:
             self._ctx.storage.settle(orphan)
         self._attach_pages(first, blocks, priorities)
@@ -258,7 +258,7 @@ class Commits(RequestState):
                 self._ctx.storage.settle(orphan)
         if block is not None:
             if self._ctx.policy is not None:
-                self._ctx.policy.inserted([block], self._ctx.clock())
+                self._ctx.policy.inserted([block])
             self._attach_pages(index, [block], priorities)
         self._snapshot_ssm(block, priorities, snapshots)
 

@@ -179,7 +179,7 @@ class KVCache(Growth, RemoteLoading, Forking):
         if policy is not None:
             deepest = self._deepest_block()
             if deepest is not None:
-                policy.released(deepest, self._ctx.clock())
+                policy.released(deepest)
         # Last block first: parents become evictable after their children, so eviction trims
         # a cached chain from its end and shorter prefixes stay reusable.
         release = storage.unlock_all if self._status is KVCacheStatus.ACTIVE else storage.unhold_all

@@ -13,7 +13,6 @@ sliding windows), `Commits` (commit and radix-tree insertion) and the life cycle
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -69,7 +68,6 @@ class CacheContext:
     remote: RemoteTier | None = None
     counters: Counters = field(default_factory=Counters)
     policy: EvictionPolicy | None = None  # (None: LRU, the queue's own order)
-    clock: Callable[[], float] = time.monotonic
 
 
 class RequestState:

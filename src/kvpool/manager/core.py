@@ -72,8 +72,11 @@ class ManagerCore:
     def __init__(
         self, config: KVCacheManagerConfig, *, clock: Callable[[], float] | None = None
     ) -> None:
-        """`clock` (seconds, default `time.monotonic`) times the rebalancing cooldown and the
-        block ages an eviction policy learns from.
+        """`clock` (seconds, default `time.monotonic`) times the rebalancing cooldown: the one
+        input of the manager that is not a call, read only by `need_adjustment` (a hint; the
+        decision is the engine's call of `adjust()`). Every decision inside a call (hits,
+        evictions, the policy's picks, slot ids, moves) depends on the calls alone. Ranks agree
+        on the cooldown through `kvpool.distributed.Agreement`; a replay passes its trace time.
 
         Threads: the manager and its KV caches are driven from one thread (the engine's
         scheduler loop); nothing is locked. With `KVPOOL_DEBUG=1` a call from another thread
@@ -117,7 +120,7 @@ class ManagerCore:
         # The policy decides what the last level drops; what it keeps stays cached somewhere
         # in every level together, so its horizon is the blocks of all levels.
         capacity = sum(max(level.slot_counts) for level in self._levels)
-        policy = make_policy(self._config.eviction_policy, capacity, self._clock)
+        policy = make_policy(self._config.eviction_policy, capacity)
         self._policy: EvictionPolicy | None = None if policy.name == "lru" else policy
         if self._policy is not None:  # (no page is queued yet)
             queues = self._storage.queues[self._storage.last_level]
@@ -135,7 +138,7 @@ class ManagerCore:
         self._publisher: KVEventPublisher | None = None
         if self._config.kv_events is not None:
             self._start_kv_events(self._config.kv_events)
-        self.rebalancer = DemandEstimator(self._config, self.layout, clock or time.monotonic)
+        self.rebalancer = DemandEstimator(self._config, self.layout, self._clock)
         self._constrained: dict[int, tuple[object, int, list[float]]] = {}
         self._living: dict[int, KVCache] = {}
         self._ids = itertools.count()
@@ -153,7 +156,6 @@ class ManagerCore:
             remote=self._remote,
             counters=self._counters,
             policy=self._policy,
-            clock=self._clock,
         )
 
     def _drop(self, pages: Sequence[Page]) -> Sequence[Page]:
@@ -167,7 +169,7 @@ class ManagerCore:
         blocks = [page.block for page in pages if page.block is not None]
         parents = [block.parent for block in blocks]
         orphans = self._remove_pages(pages)
-        policy.dropped(blocks, parents, self._clock())
+        policy.dropped(blocks, parents)
         return orphans
 
     def _remove_pages(self, pages: Sequence[Page]) -> Sequence[Page]:

@@ -59,7 +59,7 @@ class KVCacheManager(Rebalancing):
             cache.adopt_match(match, tokens)
             self._count_hits(cache, match.num_tokens)
         if self._policy is not None:
-            self._policy.used(match.blocks, self._clock())
+            self._policy.used(match.blocks)
         if prefix is not None:
             cache._remote = prefix
         if self._storage.events is not None:
