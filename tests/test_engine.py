@@ -42,6 +42,7 @@ def hf_model(config, seed=0):
 def hf_greedy(model, prompt, new_tokens):
     out = model.generate(
         torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),  # (token 0 is no padding)
         max_new_tokens=new_tokens,
         do_sample=False,
         output_logits=True,

@@ -143,6 +143,67 @@ def test_dynamic_rope_follows_the_sequence_length_like_transformers():
         finish(manager)
 
 
+LENGTH_DEPENDENT = {  # reuse limits: dynamic 23 (max_position_embeddings - 1), longrope 32
+    "dynamic": dict(
+        max_position_embeddings=24,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "dynamic", "factor": 2.0},
+    ),
+    "longrope": dict(
+        max_position_embeddings=128, rope_parameters={"rope_theta": 10000.0, **ROPES["longrope"]}
+    ),
+}
+
+
+def check_alone(config, seed, results, new_tokens):
+    """Each result against transformers generating its prompt alone, in a fresh model (the
+    dynamic type's state is the model's: it would carry over from an earlier prompt)."""
+    for result in results:
+        check_against_hf(model_of(config, seed=seed), [result], new_tokens)
+
+
+@pytest.mark.parametrize("kind", sorted(LENGTH_DEPENDENT))
+def test_a_length_dependent_rope_is_each_requests_own_in_a_batch(kind):
+    """Issue 30: `dynamic` kept one frequency state for the whole batch: a 5-token prompt next
+    to a 40-token one was off by 0.058. Prompts below, across and past the threshold."""
+    config = transformers.LlamaConfig(**COMMON, **LENGTH_DEPENDENT[kind])
+    model = model_of(config, seed=6)
+    decoder, manager = engine(config, model)
+    prompts = [[5, 9, 13, 2, 7], list(range(1, 41)), list(range(50, 70)), [3] * 12]
+    results = Generator(decoder, max_batch=4).generate(prompts, 16)
+    check_alone(config, 6, results, 16)
+    finish(manager)
+
+
+@pytest.mark.parametrize("kind", sorted(LENGTH_DEPENDENT))
+def test_a_length_dependent_rope_reuses_kv_only_below_its_limit(kind):
+    """Issue 30: KV computed under other frequencies (longrope's short factors, an earlier
+    dynamic base) was reused by a longer next turn (0.044 and 0.012 off). A prompt past the
+    decoder's reuse limit is computed whole and leaves no KV for others; below it, reuse
+    stays (and matches)."""
+    config = transformers.LlamaConfig(**COMMON, **LENGTH_DEPENDENT[kind])
+    model = model_of(config, seed=7)
+    decoder, manager = engine(config, model)
+    limit = decoder.reuse_limit
+    assert limit == {"dynamic": 23, "longrope": 32}[kind]
+    generator = Generator(decoder, max_batch=2)
+    first = generator.generate([list(range(1, 17))], 4)[0]  # 16 + 4 tokens, below the limit
+    second_prompt = first.prompt + first.tokens + [40]
+    second = generator.generate([second_prompt], 4)[0]  # 21 tokens: reuses the first turn
+    assert second.cached_tokens >= 16
+    third_prompt = second_prompt + second.tokens + list(range(60, 60 + limit - 24))
+    third_prompt += [61, 62]  # past the limit: computed whole
+    assert len(third_prompt) > limit
+    third = generator.generate([third_prompt], 4)[0]
+    assert third.cached_tokens == 0 and generator.unshared_prompts == 1
+    # A long prompt's KV (its own frequencies) is not reused by a short one sharing its start.
+    long_prompt = [(70 + i) % 90 + 1 for i in range(limit + 5)]
+    short_prompt = long_prompt[:17] + [3]
+    long, short = generator.generate([long_prompt, short_prompt], 4)
+    assert long.cached_tokens == 0 and short.cached_tokens == 0
+    check_alone(config, 7, [first, second, third, long, short], 4)
+    finish(manager)
+
+
 def test_legacy_rope_scaling_field_is_read():
     config = {
         **COMMON,

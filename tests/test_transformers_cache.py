@@ -161,6 +161,44 @@ def test_the_next_turn_computes_only_its_new_tokens_and_gives_the_same_output(fa
     finish(manager)
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_a_length_dependent_rope_reuses_no_kv_computed_under_other_frequencies(kind):
+    """Issue 30: with a RoPE whose frequencies follow the sequence length, a next turn past the
+    threshold reused KV computed under the first turn's frequencies. Past the limit a call
+    reuses nothing and leaves nothing; below it, reuse stays."""
+    from tests.test_engine_families import LENGTH_DEPENDENT
+
+    config = transformers.LlamaConfig(**FAMILY_SIZES, **LENGTH_DEPENDENT[kind])
+
+    def fresh():  # (transformers' dynamic state is the model's: a fresh one per reference)
+        torch.manual_seed(3)
+        made = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        made.generation_config.eos_token_id, made.generation_config.pad_token_id = None, 0
+        return made.eval()
+
+    model = fresh()
+    manager = manager_for(model)
+    cache = kvt.KVPoolCache(model, manager)
+    limit = cache.reuse_limit
+    assert limit == {"dynamic": 23, "longrope": 32}[kind]
+    counting = Counting(model)
+    turns = [list(range(1, 13))]  # 12 tokens, then + 4 + 3 (below), then past the limit
+    for number, extra in enumerate([[40, 41, 42], list(range(50, 50 + limit))]):
+        ids = torch.tensor([turns[-1]])
+        got = kvt.generate(model, cache, ids, None, max_new_tokens=4, do_sample=False)
+        expected = fresh().generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+        assert torch.equal(got, expected), (kind, number)
+        turns.append(got[0].tolist() + extra)
+    counting.tokens = 0
+    ids = torch.tensor([turns[-1]])
+    assert ids.shape[1] > limit
+    got = kvt.generate(model, cache, ids, None, max_new_tokens=4, do_sample=False)
+    expected = fresh().generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected)
+    assert counting.tokens == ids.shape[1] + 3 and cache.unshared_calls == 1  # nothing reused
+    finish(manager)
+
+
 def test_pages_go_to_host_and_disk_between_calls_and_come_back(tmp_path):
     model = model_of("llama")
     # 8 KiB pages of 16 tokens: 256 per 2 MiB on the GPU and the host, 512 on the disk.

@@ -1,7 +1,9 @@
 """Greedy generation in a continuous batch, with every KV byte in kvpool.
 
 Admits prompts while memory allows (reusing cached prefixes: only the unmatched suffix is
-computed, always at least the last prompt token), decodes one token per request per step,
+computed, always at least the last prompt token; with a length-dependent RoPE, a prompt longer
+than the decoder's `reuse_limit` is computed whole in a scope of its own, since its frequencies
+are not those of any cached KV, and it leaves no KV for others either), decodes one token per request per step,
 suspends requests when the GPU level is full and resumes them later (their pages may travel to
 host or disk and back), runs the rebalancing hook between steps, and closes finished requests so
 their blocks stay reusable.
@@ -9,15 +11,19 @@ their blocks stay reusable.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvpool.cache import KVCache
+from kvpool.config import ReuseScope
 from kvpool.distributed import Agreement
 from kvpool.engine.model import PagedDecoder
 from kvpool.errors import ArgumentError
+
+logger = logging.getLogger("kvpool.engine")
 
 
 @dataclass
@@ -45,6 +51,7 @@ class Generator:
         self.between_steps = between_steps  # a test hook, called with the step number
         self.agreement = agreement
         self.suspensions = 0
+        self.unshared_prompts = 0  # prompts past the decoder's reuse limit (own scope each)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[Generation]:
         """Greedy continuations of `prompts`, `max_new_tokens` each. If anything raises (the
@@ -157,7 +164,18 @@ class Generator:
 
     def _admit(self, result: Generation) -> bool:
         prompt = result.prompt
-        cache = self.manager.create_kv_cache(None, prompt[:-1])
+        scope = None
+        limit = self.decoder.reuse_limit
+        if limit is not None and len(prompt) > limit:
+            if not self.unshared_prompts:
+                logger.info(
+                    "RoPE frequencies depend on the length: prompts of more than %d tokens "
+                    "are computed without prefix reuse and leave no KV for others",
+                    limit,
+                )
+            self.unshared_prompts += 1
+            scope = ReuseScope(salt=f"kvpool:unshared:{self.unshared_prompts}")
+        cache = self.manager.create_kv_cache(scope, prompt[:-1])
         result.cache = cache
         if not cache.resume() or not cache.resize(len(prompt)):
             cache.close()

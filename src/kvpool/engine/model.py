@@ -107,6 +107,9 @@ class PagedDecoder:
             if params not in rotaries:
                 rotaries[params] = Rotary(params)
         self.rotary = [rotaries[params] for params in spec.ropes]
+        limits = [p.reuse_limit for p in spec.ropes if p.reuse_limit is not None]
+        # The longest prompt that may reuse cached KV or leave its KV for others (`rope`).
+        self.reuse_limit: int | None = min(limits) if limits else None
 
     def _check_buffers(self, manager: KVCacheManager) -> None:
         spec = self.spec
@@ -168,8 +171,6 @@ class PagedDecoder:
         spec = self.spec
         start = cache.history_length
         positions = torch.arange(start, start + len(tokens))
-        for rotary in set(self.rotary):
-            rotary.update(start + len(tokens))
         x = self._w("model.embed_tokens.weight")[torch.tensor(tokens, dtype=torch.long)]
         if spec.embed_scale is not None:
             x = x * torch.tensor(spec.embed_scale).to(self.dtype)
@@ -206,7 +207,7 @@ class PagedDecoder:
         v = self._linear(h, prefix + "v_proj").view(n, spec.kv_heads, spec.head_dim)
         if spec.qk_norm:
             q, k = self._norm(q, prefix + "q_norm"), self._norm(k, prefix + "k_norm")
-        cos, sin = self.rotary[layer].cos_sin(positions, self.dtype)
+        cos, sin = self.rotary[layer].cos_sin(positions, self.dtype, int(positions[-1]) + 1)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k_pages, v_pages = self._pages(layer, "k"), self._pages(layer, "v")
         rows = torch.from_numpy(cache.get_page_indices(layer, "k").astype(np.int64))

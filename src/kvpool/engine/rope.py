@@ -1,6 +1,12 @@
 """Rotary position embeddings as transformers defines them: the inverse frequencies of the
-`default`, `linear`, `dynamic`, `llama3`, `yarn` and `longrope` types, and the per-call state of
-the types whose frequencies depend on the sequence length (`dynamic`, `longrope`)."""
+`default`, `linear`, `dynamic`, `llama3`, `yarn` and `longrope` types.
+
+Two types are length-dependent: a forward pass's frequencies depend on the length the sequence
+has reached (`dynamic` past `max_position_embeddings`, `longrope` past its
+`original_max_position_embeddings`), and the keys cached earlier keep theirs. Here that length
+is each request's own (transformers keeps one state for its whole batch: a request's output
+would depend on its neighbours). KV computed under other frequencies than a prompt's own is not
+that prompt's KV, so reusing it is only sound below `reuse_limit` (see `engine.generator`)."""
 
 from __future__ import annotations
 
@@ -35,6 +41,17 @@ class RopeParameters:
     def __hash__(self) -> int:
         return hash((self.rope_type, self.theta, self.head_dim, self.max_position_embeddings))
 
+    @property
+    def reuse_limit(self) -> int | None:
+        """For a length-dependent type, the longest sequence still computed with the original
+        frequencies whatever came before (transformers' dynamic state stays scaled at exactly
+        its threshold after a longer sequence: one less); None: the frequencies never change."""
+        if self.rope_type == "dynamic":
+            return self.max_position_embeddings - 1
+        if self.rope_type == "longrope":
+            return int(self.options["original_max_position_embeddings"])
+        return None
+
 
 def rope_parameters(
     params: dict[str, Any], head_dim: int, max_position_embeddings: int, where: str
@@ -64,6 +81,29 @@ def rope_parameters(
         if key not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")
     }
     return RopeParameters(rope_type, float(theta), head_dim, max_position_embeddings, options)
+
+
+def reuse_limit_of(config: dict[str, Any]) -> int | None:
+    """`RopeParameters.reuse_limit` of a transformers config (a dict), the least over its
+    layer types; read leniently (only the length-dependent types matter), for models the
+    reference decoder does not run (the transformers integration)."""
+    max_pos = int(config.get("max_position_embeddings") or 2048)
+    found: list[dict[str, Any]] = []
+    for source in (config.get("rope_parameters"), config.get("rope_scaling")):
+        if isinstance(source, dict):
+            nested = [v for v in source.values() if isinstance(v, dict)]
+            found += nested if nested else [source]
+    limits = []
+    for params in found:
+        kind = params.get("rope_type", params.get("type"))
+        if kind == "dynamic":
+            limits.append(max_pos - 1)
+        elif kind == "longrope":
+            original = params.get("original_max_position_embeddings")
+            limits.append(
+                int(original or config.get("original_max_position_embeddings") or max_pos)
+            )
+    return min(limits) if limits else None
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -147,36 +187,42 @@ def _longrope(params: RopeParameters, seq_len: int | None) -> tuple[torch.Tensor
 
 
 class Rotary:
-    """The rotation of one parameter set, with transformers' per-call state for the types whose
-    frequencies follow the sequence length: `dynamic` recomputes them when a call's sequence
-    grows past the longest seen (and resets below the original length), `longrope` picks its
-    long or short factors per call."""
+    """The rotation of one parameter set. The frequencies of a length-dependent type are a
+    function of the length a request's sequence has reached at a forward pass (its highest
+    position + 1; a request's length only grows), computed once per distinct value."""
 
     def __init__(self, params: RopeParameters) -> None:
         self.params = params
-        self.inv_freq, self.scaling = inverse_frequencies(params)
-        self.original_inv_freq = self.inv_freq
-        self.max_seq_len_cached = self.original_max = params.max_position_embeddings
+        self._by_length: dict[int, tuple[torch.Tensor, float]] = {}
+        self._fixed = inverse_frequencies(params)
 
-    def update(self, seq_len: int) -> None:
-        """Before a forward pass whose highest position is `seq_len - 1`."""
-        kind = self.params.rope_type
-        if kind == "dynamic":
-            if seq_len > self.max_seq_len_cached:
-                self.inv_freq, self.scaling = inverse_frequencies(self.params, seq_len)
-                self.max_seq_len_cached = seq_len
-            if seq_len < self.original_max < self.max_seq_len_cached:
-                self.inv_freq, self.max_seq_len_cached = self.original_inv_freq, self.original_max
-        elif kind == "longrope":
-            self.inv_freq, self.scaling = inverse_frequencies(self.params, seq_len)
+    def frequencies(self, seq_len: int) -> tuple[torch.Tensor, float]:
+        """(inverse frequencies, attention scaling) of a forward pass reaching `seq_len`."""
+        params = self.params
+        if params.rope_type == "dynamic":
+            if seq_len <= params.max_position_embeddings:
+                return self._fixed
+            key = seq_len
+        elif params.rope_type == "longrope":
+            key = int(seq_len > params.options["original_max_position_embeddings"])
+        else:
+            return self._fixed
+        found = self._by_length.get(key)
+        if found is None:
+            if len(self._by_length) > 4096:  # (dynamic: one entry per length; keep it bounded)
+                self._by_length.clear()
+            found = self._by_length[key] = inverse_frequencies(params, seq_len)
+        return found
 
     def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, seq_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [tokens, 1, head_dim] for `positions`, in `dtype`."""
-        freqs = positions[:, None].to(torch.float32) * self.inv_freq[None, :]
+        """cos and sin [tokens, 1, head_dim] for `positions` of a forward pass whose sequence
+        reaches `seq_len`, in `dtype`."""
+        inv_freq, scaling = self.frequencies(seq_len)
+        freqs = positions[:, None].to(torch.float32) * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+        cos, sin = emb.cos() * scaling, emb.sin() * scaling
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 

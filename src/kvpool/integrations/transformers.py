@@ -49,6 +49,7 @@ from transformers.modeling_utils import AttentionInterface
 from kvpool.cache import KVCache, KVCacheStatus
 from kvpool.config import CacheTierConfig, KVCacheManagerConfig, ReuseScope
 from kvpool.engine.model import manager_config_from_hf
+from kvpool.engine.rope import reuse_limit_of
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
 from kvpool.integrations.paged_attention import ATTENTION, CURRENT, paged_attention
 from kvpool.manager import KVCacheManager
@@ -150,6 +151,8 @@ class KVPoolCache(Cache):
         self.config = config
         self.manager = manager
         self.reuse_scope = reuse_scope
+        self.reuse_limit = reuse_limit_of(config.to_dict())  # (length-dependent RoPE)
+        self.unshared_calls = 0  # calls past it, each in a scope of its own
         self.tpb = manager.tokens_per_block
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
         layout = manager.layout
@@ -236,6 +239,11 @@ class KVPoolCache(Cache):
             pads.append(pad)
             prompts.append([int(token) for token in ids[number, pad:].tolist()])
         manager, scope = self.manager, self.reuse_scope
+        if self.reuse_limit is not None and max(map(len, prompts)) > self.reuse_limit:
+            # The model's RoPE frequencies follow the longest row: KV of no other call fits,
+            # and this call's fits no other (`kvpool.engine.rope`): a scope of its own.
+            self.unshared_calls += 1
+            scope = ReuseScope(salt=f"kvpool:unshared:{id(self)}:{self.unshared_calls}")
         # The prefix every row can use: columns before it are padding or cached for each row.
         cached = min(
             [length - 1]
