@@ -71,7 +71,8 @@ from kvpool import (
     StorageError,
 )
 from kvpool.events import cached_blocks
-from kvpool.events.log import MEDIA, MEDIUM_EXTERNAL, KVEventLog
+from kvpool.events.log import KVEventLog
+from kvpool.events.naming import MEDIA, MEDIUM_EXTERNAL
 from kvpool.lifecycles import SsmLifeCycle
 from kvpool.remote.values import KEY_PREFIX
 from kvpool.tiers import allocation

@@ -20,7 +20,7 @@ from kvpool.errors import ArgumentError, KVPoolError
 from kvpool.remote.store import url_without_password
 from kvpool.replay.driver import ReplayOptions, ReplayReport, replay
 from kvpool.replay.policy import policy_for
-from kvpool.replay.prefix import PrefixCacheResult, prefix_cache_hit_rate
+from kvpool.replay.prefix import prefix_cache_hit_rate
 from kvpool.replay.report import (
     format_bytes,
     print_report,
@@ -29,6 +29,7 @@ from kvpool.replay.report import (
     write_json,
     write_plot,
 )
+from kvpool.replay.results import PrefixCacheResult
 from kvpool.replay.workloads import (
     Request,
     load_azure,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvpool.events.log import MEDIA, KVEventLog
+from kvpool.events.log import KVEventLog
+from kvpool.events.naming import MEDIA
 
 if TYPE_CHECKING:
     from kvpool.manager import KVCacheManager
@@ -16,7 +17,7 @@ def cached_blocks(manager: KVCacheManager) -> dict[str, set[tuple[int, int]]]:
     """The manager's own view of what its events announce: per medium, the (64-bit block hash,
     layer group) of every full block's page in its tree. O(cached blocks): for tests and
     debugging, not for the engine's loop."""
-    from kvpool.events.wire import block_hash
+    from kvpool.events.naming import block_hash
 
     tpb = manager.tokens_per_block
     media = [MEDIA[manager.get_tier(level)] for level in range(manager.num_levels)]

@@ -20,20 +20,18 @@ import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvpool.config import CacheTier, ReuseScope
+from kvpool.config import ReuseScope
+from kvpool.events.naming import (
+    MEDIA,
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    MEDIUM_EXTERNAL,
+    MEDIUM_GPU,
+)
+from kvpool.events.naming import block_hash as _hash
 from kvpool.records import Block, LostBlock, Page
 
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
-MEDIUM_DISK = "DISK"
-MEDIUM_EXTERNAL = "EXTERNAL"  # the shared remote tier
-MEDIA = {CacheTier.GPU: MEDIUM_GPU, CacheTier.HOST: MEDIUM_CPU, CacheTier.DISK: MEDIUM_DISK}
 _DIGEST_MARKER = b"\xff\xff\xff\xff"
-
-
-def _hash(key: bytes) -> int:
-    """A block's 64-bit hash on the wire (`wire.block_hash`)."""
-    return int.from_bytes(key[-8:], "big")
 
 
 class KVEventLog:
@@ -47,7 +45,7 @@ class KVEventLog:
         publish: Callable[[list[Any]], None],
         max_pending: int = 65_536,
     ) -> None:
-        from kvpool.events import wire
+        import kvpool.events.wire as wire
 
         self._wire = wire
         self.tokens_per_block = tokens_per_block

@@ -18,12 +18,7 @@ from typing import Any
 
 import msgspec
 
-from kvpool.events.log import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL, MEDIUM_GPU
-
-
-def block_hash(key: bytes) -> int:
-    """The 64-bit hash of a block on the wire."""
-    return int.from_bytes(key[-8:], "big")
+from kvpool.events.naming import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL, MEDIUM_GPU, block_hash
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

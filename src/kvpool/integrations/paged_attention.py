@@ -11,19 +11,29 @@ for the attention call that follows it in the same layer.
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from kvpool.errors import ArgumentError, LogicError
-
-if TYPE_CHECKING:
-    from kvpool.integrations.transformers import KVPoolCache, KVPoolLayer
+from kvpool.integrations.cache_layer import KVPoolLayer
 
 ATTENTION = "kvpool"  # the name to load a model with: attn_implementation="kvpool"
 CHUNK_BLOCKS = 64  # blocks per step of the online softmax
 
-CURRENT: contextvars.ContextVar[tuple[KVPoolCache, KVPoolLayer] | None] = contextvars.ContextVar(
+
+class PagedRows(Protocol):
+    """What the attention reads of a `KVPoolCache`: its rows' pages and block tables."""
+
+    tpb: int
+    pads: list[int]  # leading padding columns per row
+
+    def pages(self, layer_idx: int, role: str, like: torch.Tensor) -> torch.Tensor: ...
+
+    def blocks(self, layer_idx: int) -> torch.Tensor: ...
+
+
+CURRENT: contextvars.ContextVar[tuple[PagedRows, KVPoolLayer] | None] = contextvars.ContextVar(
     "kvpool_paged_attention", default=None
 )
 

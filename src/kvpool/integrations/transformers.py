@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 from transformers.modeling_utils import AttentionInterface
 
 from kvpool.cache import KVCache, KVCacheStatus
@@ -51,6 +51,7 @@ from kvpool.config import CacheTierConfig, KVCacheManagerConfig, ReuseScope
 from kvpool.engine.model import manager_config_from_hf
 from kvpool.engine.rope import reuse_limit_of
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
+from kvpool.integrations.cache_layer import KVPoolLayer, model_layers
 from kvpool.integrations.paged_attention import ATTENTION, CURRENT, paged_attention
 from kvpool.manager import KVCacheManager
 from kvpool.validation import check_int
@@ -81,65 +82,6 @@ def manager_config(
     )
 
 
-class KVPoolLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]
-    """One model layer's view of a `KVPoolCache`: how many columns it holds, and its window.
-    Its keys and values live in kvpool's pages (`keys`/`values` stay None)."""
-
-    is_croppable = True
-
-    def __init__(self, cache: KVPoolCache, layer_idx: int, window: int | None) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.cache = cache
-        self.layer_idx = layer_idx
-        self.window = window
-        self.is_sliding = window is not None
-        self.length = 0  # columns written (left padding included), as in transformers' layers
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.cache.check_states(self.layer_idx, key_states, value_states)
-        self.is_initialized = True
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        return self.cache.write_and_read(self, key_states, value_states)
-
-    def first_visible(self) -> int:
-        """The first column attention still sees (a sliding window's start)."""
-        if self.window is None:
-            return 0
-        return max(self.length - self.window + 1, 0)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        offset = self.first_visible()
-        return self.length + query_length - offset, offset
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1 if self.window is None else self.window
-
-    # Row operations act on the cache's rows once, through `KVPoolCache`; per layer only the
-    # length changes.
-    def reset(self) -> None:
-        self.length = 0
-
-    def crop(self, tokens_to_remove: int) -> None:
-        self.cache.crop(tokens_to_remove)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.cache.reorder_cache(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.cache.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.cache.batch_select_indices(indices)
-
-
 class KVPoolCache(Cache):
     """A transformers `Cache` whose K/V live in `manager`'s pages (module docstring).
     `reuse_scope` isolates prefix reuse (a LoRA adapter, a tenant's salt)."""
@@ -154,33 +96,7 @@ class KVPoolCache(Cache):
         self.reuse_limit = reuse_limit_of(config.to_dict())  # (length-dependent RoPE)
         self.unshared_calls = 0  # calls past it, each in a scope of its own
         self.tpb = manager.tokens_per_block
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-        layout = manager.layout
-        layers: list[KVPoolLayer] = []
-        for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
-            if kind not in ("full_attention", "sliding_attention"):
-                raise ArgumentError(
-                    f"layer_types[{index}]={kind!r} is invalid: must be 'full_attention' or "
-                    "'sliding_attention' (kvpool's transformers cache holds attention K/V only)"
-                )
-            try:
-                keys, values = layout.placement(index, "k"), layout.placement(index, "v")
-            except ArgumentError:
-                raise ArgumentError(
-                    f"manager is invalid for this model: it has no 'k' and 'v' buffers for layer "
-                    f"{index} (build it with kvpool.integrations.transformers.manager_config)"
-                ) from None
-            life_cycle = layout.life_cycles[keys.layer_group]
-            window = getattr(life_cycle, "window", None)
-            wanted = kwargs.get("sliding_window") if kind == "sliding_attention" else None
-            if window is not None and window != wanted:
-                raise ArgumentError(
-                    f"manager is invalid for this model: layer {index} keeps a window of {window} "
-                    f"tokens, the model attends to {wanted or 'all of them'}"
-                )
-            if keys.size != values.size:
-                raise ArgumentError(f"manager is invalid: layer {index}'s k and v sizes differ")
-            layers.append(KVPoolLayer(self, index, window))
+        layers = model_layers(self, config, manager.layout)
         super().__init__(layers=list(layers))
         self.kv_layers = layers  # (the same objects as `layers`, typed)
         self.rows: list[KVCache] = []
@@ -190,6 +106,7 @@ class KVPoolCache(Cache):
         self.reordered = False  # rows were chosen among beams: their histories are not outputs
         self.reserved = 0  # columns the rows have pages for
         self.floor = 0  # columns below which nothing may be cropped (kvpool's history)
+        layout = manager.layout
         self._group = [layout.placement(i, "k").layer_group for i in range(len(layers))]
         # Where the KV of each column is, for columns below `reserved` (set by `_reserve`): per
         # layer group the slot id of each (row, block) and of each (row, column), and per

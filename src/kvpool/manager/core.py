@@ -22,7 +22,8 @@ from kvpool.config import (
     KVEventsConfig,
 )
 from kvpool.errors import LogicError
-from kvpool.events.log import MEDIA, KVEventLog
+from kvpool.events.log import KVEventLog
+from kvpool.events.naming import MEDIA
 from kvpool.eviction import ClassedQueue
 from kvpool.layout import KVLayout
 from kvpool.manager.invariants import check_invariants

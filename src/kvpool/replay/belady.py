@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from kvpool.replay.prefix import PrefixCacheResult
+from kvpool.replay.results import PrefixCacheResult
 from kvpool.replay.workloads import MOONCAKE_BLOCK, Request
 
 

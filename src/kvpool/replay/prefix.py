@@ -14,7 +14,6 @@ import dataclasses
 import math
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from kvpool.config import (
     AttentionLayerConfig,
@@ -28,24 +27,9 @@ from kvpool.config import (
 from kvpool.errors import ArgumentError
 from kvpool.manager import KVCacheManager
 from kvpool.replay.policy import OFFLINE_OPTIMUM, EvictionPolicy, policy_for
+from kvpool.replay.results import PrefixCacheResult
 from kvpool.replay.workloads import MOONCAKE_BLOCK, Request
 from kvpool.storage.pools import gpu_granularity
-
-
-@dataclass
-class PrefixCacheResult:
-    capacity_blocks: int
-    policy: str
-    measured_tokens: int
-    hit_tokens: int
-    requests: int
-    partial: bool = False  # stopped early
-    tier_ratios: tuple[int, int] = (0, 0)  # host and disk levels, in GPU capacities
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # served from each level
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.measured_tokens if self.measured_tokens else 0.0
 
 
 def exact_block_config(
