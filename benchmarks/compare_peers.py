@@ -7,7 +7,7 @@ below 1 means kvpool is faster. (b) also checks that kvpool's prefix hit tokens 
 (c), the hybrid model, compares against vLLM with two KV cache groups and with the six groups
 its planner makes, and against SGLang's UnifiedRadixCache.
 
-Run: python benchmarks/compare_peers.py [--runs 3] [--quick] [--out results.json]
+Run: python benchmarks/compare_peers.py [--runs 3] [--quick] [--out results.json] [--plot bars.svg]
 """
 
 from __future__ import annotations
@@ -34,6 +34,68 @@ def ratio(ours: float, theirs: float | None) -> str:
     return f"{ours / theirs:.2f}" if theirs else "-"
 
 
+def plot(kv: dict[str, Any], vllm: dict[str, Any], sglang: dict[str, Any], path: Path) -> None:
+    """Seconds (or us) of each workload for kvpool and each peer, as grouped bars, each group
+    scaled to the slowest: the peers' comparison at a glance (docs/benchmarks.md)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def get(result: dict[str, Any] | None, key: str) -> float | None:
+        return None if not result else result.get(key)
+
+    groups: list[tuple[str, dict[str, float | None]]] = []
+    for n in kv["a"]:
+        groups.append(
+            (
+                f"(a) churn N={n}",
+                {
+                    "kvpool": kv["a"][n]["cycle_us"],
+                    "vLLM": get(vllm.get("a", {}).get(n), "cycle_us"),
+                    "SGLang": get(sglang.get("a", {}).get(n), "cycle_us"),
+                },
+            )
+        )
+    groups.append(
+        (
+            "(b) scheduler cycle",
+            {
+                "kvpool": kv["b"]["total_wall_s"],
+                "vLLM": get(vllm.get("b"), "total_wall_s"),
+                "SGLang": get(sglang.get("b"), "total_wall_s"),
+            },
+        )
+    )
+    groups.append(
+        (
+            "(c) hybrid model",
+            {
+                "kvpool": kv["c"]["total_wall_s"],
+                "vLLM": get(vllm.get("c_6groups") or vllm.get("c"), "total_wall_s"),
+                "SGLang": get(sglang.get("c"), "total_wall_s"),
+            },
+        )
+    )
+    names = ["kvpool", "vLLM", "SGLang"]
+    figure, axes = plt.subplots(figsize=(8, 3.6))
+    width = 0.26
+    for i, name in enumerate(names):
+        heights = []
+        for _, values in groups:
+            known = [v for v in values.values() if v]
+            value = values.get(name)
+            heights.append(value / max(known) if value else 0.0)
+        axes.bar([g + (i - 1) * width for g in range(len(groups))], heights, width, label=name)
+    axes.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
+    axes.set_ylabel("time, relative to the slowest")
+    axes.set_title("kvpool, vLLM and SGLang on the same seeded workloads (lower is faster)")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -42,6 +104,7 @@ def main() -> None:
     parser.add_argument("--peer-python", default="/tmp/peervenv/bin/python")
     parser.add_argument("--no-setup", action="store_true", help="do not run the peers' setup.sh")
     parser.add_argument("--out", help="also write every figure here (JSON)")
+    parser.add_argument("--plot", help="bars of kvpool's time against each peer's (.svg, .png)")
     args = parser.parse_args()
     runs, requests, iterations = (1, 200, 100) if args.quick else (args.runs, 2000, 1000)
     if not args.no_setup:
@@ -136,6 +199,8 @@ def main() -> None:
         f"{'kvpool':>14} {ours_c['total_wall_s']:7.3f} s {ours_c['prefix_hit_tokens']:>10,}"
     )
     print("\n".join(lines))
+    if args.plot:
+        plot(kv, vllm, sglang, Path(args.plot))
     if args.out:
         Path(args.out).write_text(json.dumps({"peers": peers, "kvpool": ours}, indent=1) + "\n")
 

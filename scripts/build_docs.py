@@ -1,7 +1,9 @@
-"""Builds the API reference from the docstrings with pdoc, into build/docs (or --out).
+"""Builds the documentation site (MkDocs with the Material theme; the API reference generated
+from the docstrings by mkdocstrings) into build/docs, or --out.
 
-Any warning (a module that does not import, a docstring pdoc cannot read) fails the build:
-`bash scripts/test.sh` runs this, so CI checks the API docs on every change.
+Strict: any warning (a broken link, a missing image, a docstring or a reference that does not
+resolve) fails the build. `bash scripts/test.sh` runs this, so CI checks the site on every
+change.
 
 Run: python scripts/build_docs.py [--out DIR]
 """
@@ -9,49 +11,29 @@ Run: python scripts/build_docs.py [--out DIR]
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
+import os
+import subprocess
 import sys
-import warnings
 from pathlib import Path
 
-import pdoc
-
-import kvpool
-
-
-def modules() -> list[str]:
-    """Every kvpool module, once: a package without `__all__` documents its submodules itself,
-    so those are not listed again."""
-    names = ["kvpool"] + [
-        info.name
-        for info in pkgutil.walk_packages(kvpool.__path__, prefix="kvpool.")
-        if not info.name.endswith(".__main__")  # runs the command when imported
-    ]
-    walked_by = {
-        name
-        for name in names
-        if name != "kvpool" and not hasattr(importlib.import_module(name), "__all__")
-    }
-    return [
-        name for name in names if not any(name.startswith(parent + ".") for parent in walked_by)
-    ]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("build/docs"))
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "docs")
     args = parser.parse_args()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        pdoc.render.configure(docformat="markdown", show_source=False)
-        pdoc.pdoc(*modules(), output_directory=args.out)
-    ours = [w for w in caught if f"{Path(pdoc.__file__).parent}" in w.filename]
-    for warning in ours:
-        print(f"build_docs: {warning.category.__name__}: {warning.message}", file=sys.stderr)
-    if ours:
+    command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--clean"]
+    command += ["--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(args.out.resolve())]
+    environment = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # (the theme's banner)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=environment)
+    output = done.stdout + done.stderr
+    problems = [line for line in output.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    if done.returncode or problems:
+        print(output, file=sys.stderr)
+        print(f"build_docs: {len(problems)} warning(s) or error(s)", file=sys.stderr)
         return 1
-    print(f"API reference: {args.out / 'index.html'} ({len(modules())} modules)")
+    print(f"documentation site: {args.out / 'index.html'}")
     return 0
 
 

@@ -320,9 +320,11 @@ def configure_logging(level: int) -> None:
     logger.setLevel(level)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The checked arguments of a `kvpool` command line, as `main` runs them; a bad one exits
+    with status 2 and one line, `kvpool: error: ...`, before any work."""
     parser = build_parser()
-    args = parser.parse_args(joined_negative_sizes(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(joined_negative_sizes(argv))
     if args.disk and args.disk_path is None:
         args.disk_path = _default_disk_path()
     if isinstance(getattr(args, "policy", None), str):
@@ -330,6 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check(parser, args)
     if hasattr(args, "model") and not args.hf_config and not args.model:
         args.model = DEFAULT_MODEL
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
     configure_logging(
         logging.INFO if args.verbose else logging.ERROR if args.quiet else logging.WARNING
     )
