@@ -85,13 +85,20 @@ def adjust_once(pages: int, slot_kib: int) -> dict[str, Any]:
     storage = manager._storage
     counts = manager.get_slot_counts(0)
     target = [0.5 * 0.5, 0.5 * 1.5]  # the big-slot group loses half its bytes
+    memory = storage.levels[0].pool_groups[0].memories[0]
+    cuda = isinstance(memory, DeviceMemory) and memory.is_cuda
+    if cuda:
+        import torch
+
+        torch.cuda.synchronize()
     start = time.perf_counter()
     manager.adjust_cache_level(0, [t / sum(target) for t in target])
+    if cuda:  # (its copies are asynchronous: time them to the end)
+        torch.cuda.synchronize()
     adjust_seconds = time.perf_counter() - start
     moved = storage.num_relocated
     assert moved >= pages * 9 // 10, moved
     memory = storage.levels[0].pool_groups[0].memories[0]
-    cuda = isinstance(memory, DeviceMemory) and memory.is_cuda
     result = {
         "slot_bytes": slot,
         "slots_before": counts,

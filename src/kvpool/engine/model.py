@@ -97,7 +97,12 @@ class PagedDecoder:
         self.dtype = spec.dtype
         self.tpb = manager.tokens_per_block
         self._check_buffers(manager)
-        self.weights = {name: tensor.detach().to(self.dtype) for name, tensor in state_dict.items()}
+        pages = manager.page_view(0, "k")
+        # Compute where the pages are: on the GPU when the GPU level is CUDA memory.
+        self.device = pages.device if isinstance(pages, torch.Tensor) else torch.device("cpu")
+        self.weights = {
+            name: tensor.detach().to(self.device, self.dtype) for name, tensor in state_dict.items()
+        }
         if "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.weights["model.embed_tokens.weight"]
         self.vocab_size = int(self.weights["model.embed_tokens.weight"].shape[0])
@@ -165,15 +170,16 @@ class PagedDecoder:
     def forward(self, cache: KVCache, tokens: list[int]) -> torch.Tensor:
         """Compute `tokens` at positions history_length... of `cache` (whose capacity covers
         them): writes their K/V into the request's pages and returns logits [len(tokens), vocab]
-        in float32."""
+        in float32, on the CPU."""
         if len(tokens) == 0:
             raise ArgumentError("tokens is empty: forward computes at least one token")
         spec = self.spec
         start = cache.history_length
-        positions = torch.arange(start, start + len(tokens))
-        x = self._w("model.embed_tokens.weight")[torch.tensor(tokens, dtype=torch.long)]
+        positions = torch.arange(start, start + len(tokens), device=self.device)
+        ids = torch.tensor(tokens, dtype=torch.long).to(self.device)
+        x = self._w("model.embed_tokens.weight")[ids]
         if spec.embed_scale is not None:
-            x = x * torch.tensor(spec.embed_scale).to(self.dtype)
+            x = x * torch.tensor(spec.embed_scale).to(self.device, self.dtype)
         for layer in range(spec.num_layers):
             prefix = f"model.layers.{layer}."
             h = self._norm(x, prefix + "input_layernorm")
@@ -189,7 +195,7 @@ class PagedDecoder:
         logits = x @ self._w("lm_head.weight").T
         if spec.final_softcap is not None:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
-        return logits.to(torch.float32)
+        return logits.to("cpu", torch.float32)
 
     def _mlp(self, h: torch.Tensor, prefix: str) -> torch.Tensor:
         gate = self._linear(h, prefix + "mlp.gate_proj")
@@ -212,12 +218,13 @@ class PagedDecoder:
         k_pages, v_pages = self._pages(layer, "k"), self._pages(layer, "v")
         rows = torch.from_numpy(cache.get_page_indices(layer, "k").astype(np.int64))
         v_rows = torch.from_numpy(cache.get_page_indices(layer, "v").astype(np.int64))
+        rows, v_rows = rows.to(self.device), v_rows.to(self.device)
         block, offset = positions // self.tpb, positions % self.tpb
         k_pages[rows[block], offset] = k
         v_pages[v_rows[block], offset] = v
         # Gather every earlier position that still has a page (a window drops old blocks).
         end = int(positions[-1]) + 1
-        seen = torch.arange(end)
+        seen = torch.arange(end, device=self.device)
         seen = seen[rows[seen // self.tpb] >= 0]
         keys = k_pages[rows[seen // self.tpb], seen % self.tpb]  # [m, kv heads, dim]
         values = v_pages[v_rows[seen // self.tpb], seen % self.tpb]

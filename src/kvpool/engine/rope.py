@@ -220,7 +220,7 @@ class Rotary:
         """cos and sin [tokens, 1, head_dim] for `positions` of a forward pass whose sequence
         reaches `seq_len`, in `dtype`."""
         inv_freq, scaling = self.frequencies(seq_len)
-        freqs = positions[:, None].to(torch.float32) * inv_freq[None, :]
+        freqs = positions[:, None].to(torch.float32) * inv_freq.to(positions.device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos() * scaling, emb.sin() * scaling
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]

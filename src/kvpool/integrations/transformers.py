@@ -407,9 +407,10 @@ class KVPoolCache(Cache):
         new_slots, new_offsets = slots[:, start:end][written], self._offsets[:, start:end][written]
         for role, states in (("k", keys), ("v", values)):
             pages = self.pages(layer.layer_idx, role, states)
-            pages[new_slots, new_offsets] = states.transpose(1, 2)[written].to(
-                pages.device, pages.dtype
-            )
+            at = pages.device  # (the index tensors live on the CPU; the pages maybe on a GPU)
+            pages[new_slots.to(at), new_offsets.to(at)] = states.transpose(1, 2)[
+                written.to(states.device)
+            ].to(at, pages.dtype)
         begin = layer.first_visible()  # (what get_mask_sizes told the mask, before this write)
         layer.length = end
         if self.config._attn_implementation == ATTENTION:
@@ -427,8 +428,8 @@ class KVPoolCache(Cache):
         tpb, pads = self.tpb, self.pads
         first = min(max(begin - pad, 0) for pad in pads) // tpb
         last = -(-max(end - pad for pad in pads) // tpb)
-        blocks = self._blocks[self._group[layer_idx]][:, first:last].clamp(min=0)
         pages = self.pages(layer_idx, role, like)
+        blocks = self._blocks[self._group[layer_idx]][:, first:last].clamp(min=0).to(pages.device)
         real = pages[blocks].flatten(1, 2)  # [rows, tokens from block `first` on, heads, dim]
         base = first * tpb
         if not any(pads):  # every row's columns are its real positions

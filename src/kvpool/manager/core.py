@@ -33,6 +33,7 @@ from kvpool.rebalance import DemandEstimator
 from kvpool.records import LostBlock, Page
 from kvpool.remote import RemoteStatistics, RemoteTier
 from kvpool.stats import Counters, LatencyHistogram, ManagerStats, PoolGroupUsage
+from kvpool.storage.memory import HostMemory
 from kvpool.storage.pools import LevelStorage
 from kvpool.tiers import StorageManager
 from kvpool.validation import (
@@ -115,6 +116,12 @@ class ManagerCore:
                 storage.close()
             raise
         self._storage = StorageManager(self._levels)
+        if self._levels[0].pool_groups[0].on_device:  # host levels pinned for the GPU's copies
+            for storage in self._levels[1:]:
+                for group in storage.pool_groups:
+                    for memory in group.memories:
+                        if isinstance(memory, HostMemory):
+                            memory.pin()
         self._tree = RadixTree(self.layout)
         self._storage.on_drop = self._tree.remove_pages
         self._clock = clock or time.monotonic
@@ -442,6 +449,20 @@ class ManagerCore:
         if _debug.DEBUG:
             self._check_thread()
             self.check_invariants()
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the GPU level is CUDA memory (else host memory stands in for it)."""
+        return self._levels[0].pool_groups[0].on_device
+
+    def set_engine_stream(self, stream: Any) -> None:
+        """The CUDA stream the engine's kernels run on, which kvpool's copies are ordered with
+        (the engine guide): a copy waits for the work queued on it before the call, and its
+        later work waits for the copy. None (the default): the stream current in the calling
+        thread at each call. `LogicError` without a CUDA level (nothing to order)."""
+        if not self.on_device:
+            raise LogicError("set_engine_stream: the GPU level is host memory (no CUDA device)")
+        self._storage.copier.order.engine_stream = stream
 
     def transfer_to_current_thread(self) -> None:
         """Make the calling thread the one that drives this manager (see the constructor)."""

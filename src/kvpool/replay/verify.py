@@ -21,6 +21,7 @@ from kvpool.layout import BufferPlacement
 from kvpool.lifecycles import SsmLifeCycle
 from kvpool.manager import KVCacheManager
 from kvpool.records import Page
+from kvpool.storage.slots import wait_before
 from kvpool.tokens import Token
 
 RECORD_BYTES = 16
@@ -51,10 +52,9 @@ class CheckingEngine:
             self.buffers.append((placement, role_index, ssm))
         self.records_checked = 0
 
-    def _records(self, placement: BufferPlacement) -> Any:
+    def _records(self, placement: BufferPlacement) -> Records:
         """Records of one buffer: [rows, tokens per block, repeats, 4] int32."""
-        view = np.asarray(self.manager.page_view(placement.layer_id, placement.role))
-        return view.view(np.int32).reshape(view.shape[0], self.tpb, -1, 4)
+        return Records(self.manager.page_view(placement.layer_id, placement.role), self.tpb)
 
     def write(self, cache: KVCache, tokens: Sequence[Token], start: int) -> None:
         """Write records for `tokens` at positions start, start + 1, ..."""
@@ -78,7 +78,7 @@ class CheckingEngine:
                 ],
                 axis=1,
             ).astype(np.int32)
-            self._records(placement)[rows, positions % tpb] = records[:, None, :]
+            self._records(placement).put(rows, positions % tpb, records[:, None, :])
         self.write_state(cache, tokens[-1], start + len(tokens))
 
     def write_state(self, cache: KVCache, last_token: Token, length: int) -> None:
@@ -87,12 +87,11 @@ class CheckingEngine:
                 (row,) = cache.get_page_indices(placement.layer_id, placement.role)
                 if row < 0:
                     raise AssertionError("no live SSM state slot")
-                view = np.asarray(self.manager.page_view(placement.layer_id, placement.role))
-                view[row].view(np.int32).reshape(-1, 4)[:] = (
-                    token_value(last_token),
-                    length,
-                    placement.layer_id,
-                    role_index,
+                state = np.array(
+                    [token_value(last_token), length, placement.layer_id, role_index], np.int32
+                )
+                Records(self.manager.page_view(placement.layer_id, placement.role), 1).put_row(
+                    int(row), state
                 )
 
     def check(self, cache: KVCache, tokens: Sequence[Token]) -> None:
@@ -104,8 +103,8 @@ class CheckingEngine:
             rows = cache.get_page_indices(placement.layer_id, placement.role)
             if ssm:
                 if history and rows[0] >= 0:
-                    view = np.asarray(self.manager.page_view(placement.layer_id, placement.role))
-                    state = view[rows[0]].view(np.int32).reshape(-1, 4)
+                    view = self.manager.page_view(placement.layer_id, placement.role)
+                    state = Records(view, 1).row(int(rows[0])).reshape(-1, 4)
                     expected_state = (values[-1], history, placement.layer_id, role_index)
                     if not (state == expected_state).all():
                         raise AssertionError(
@@ -114,7 +113,7 @@ class CheckingEngine:
                 continue
             positions = np.arange(history)
             positions = positions[rows[positions // tpb] >= 0]
-            got = self._records(placement)[rows[positions // tpb], positions % tpb]
+            got = self._records(placement).get(rows[positions // tpb], positions % tpb)
             expected = np.stack(
                 [
                     values[positions],
@@ -184,6 +183,9 @@ class CheckingEngine:
     def _read_rows(self, placement: BufferPlacement, pages: Sequence[Page]) -> Any:
         """The bytes of one buffer's row in each page, read at the page's level: [pages, size]."""
         storage = self.manager._storage
+        for page in pages:  # (a copy into it may still run on the GPU: the CPU reads it next)
+            assert page.slot is not None
+            wait_before(page.slot.ready_event, False)
         data = np.empty((len(pages), placement.size), dtype=np.uint8)
         by_level: dict[int, list[int]] = {}
         for i, page in enumerate(pages):
@@ -213,3 +215,51 @@ class CheckingEngine:
         self.write(cache, new_tokens, start)
         cache.commit(new_tokens)
         return True
+
+
+class Records:
+    """A page view's int32 records, [rows, tokens per block, repeats, 4], read and written
+    alike over host memory (numpy, or a CPU tensor) and CUDA memory (through torch)."""
+
+    def __init__(self, view: Any, tpb: int) -> None:
+        self.device = getattr(view, "device", None)  # (numpy 2's arrays have a "cpu" one too)
+        if getattr(self.device, "type", "cpu") != "cpu":
+            import torch
+
+            self.torch = torch
+            self.flat = view.view(torch.int32)
+        else:
+            self.device = None
+            self.flat = np.asarray(view).view(np.int32)
+        self.tpb = tpb
+
+    def _shaped(self) -> Any:
+        return self.flat.reshape(self.flat.shape[0], self.tpb, -1, 4)
+
+    def put(self, rows: Any, offsets: Any, values: Any) -> None:
+        if self.device is None:
+            self._shaped()[rows, offsets] = values
+            return
+        torch, device = self.torch, self.device
+        index = (torch.as_tensor(rows, device=device), torch.as_tensor(offsets, device=device))
+        self._shaped()[index] = (
+            torch.as_tensor(values).to(device).expand(len(rows), *self._shaped().shape[2:])
+        )
+
+    def get(self, rows: Any, offsets: Any) -> Any:
+        if self.device is None:
+            return self._shaped()[rows, offsets]
+        torch, device = self.torch, self.device
+        index = (torch.as_tensor(rows, device=device), torch.as_tensor(offsets, device=device))
+        return self._shaped()[index].cpu().numpy()
+
+    def row(self, row: int) -> Any:
+        data = self.flat[row]
+        return data if self.device is None else data.cpu().numpy()
+
+    def put_row(self, row: int, values: Any) -> None:
+        """Every record of `row` set to `values` (four int32s)."""
+        if self.device is None:
+            self.flat[row].reshape(-1, 4)[:] = values
+        else:
+            self.flat[row].view(-1, 4)[:] = self.torch.as_tensor(values).to(self.device)

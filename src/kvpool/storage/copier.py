@@ -1,18 +1,26 @@
 """Batched copies of whole slots between the pools of two levels.
 
 Per pool, runs of consecutive slots become single copies: host<->host with numpy, host<->disk
-with pwritev/preadv (gathering or scattering the runs of the other side), GPU<->host with torch
-copies on a side stream when CUDA is present. Each pool's copy runs in a small thread pool, so the
-pools of a group (and the caller) proceed in parallel; a large host<->host copy of one pool is
-split among the threads too (one thread does not reach the memory bandwidth). A copy's
-`CopyEvent` is what the next user of its destination slots, and the next owner of its source
-slots, waits on.
+with pwritev/preadv (gathering or scattering the runs of the other side). Copies with CUDA memory
+on a side are torch copies on the manager's copy stream, ordered with the engine's stream by
+events (`storage.device`), in as few launches as the slots allow: one per run consecutive on
+both sides, or a gather on the device (`index_select`, `index_copy_`) and one transfer per run
+consecutive on the host side; between a disk and the GPU, through two pinned buffers in turn
+(a disk read or write overlaps the next transfer). Each pool's copy runs in a small thread pool,
+so the pools of a group (and the caller) proceed in parallel; a large host<->host copy of one
+pool is split among the threads too (one thread does not reach the memory bandwidth).
+
+A copy's `CopyEvent` is what the next user of its destination slots, and the next owner of its
+source slots, waits on. `check()` returns once every copy is done or, for a copy with CUDA
+memory, enqueued: the GPU's side is ordered by its event, and the host waits for that event
+(`wait()`) only before the CPU touches the bytes (`CopyEvent.on_device`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -20,21 +28,40 @@ from typing import Any
 import numpy as np
 
 from kvpool.errors import StorageError
+from kvpool.storage.device import DeviceOrder
 from kvpool.storage.memory import Bytes, DeviceMemory, DiskMemory, HostMemory, Memory
 from kvpool.storage.pools import PoolGroup
 
 
 class CopyEvent:
-    """Completion of one batched copy. `wait()` only waits; `check()` raises the copy's error."""
+    """Completion of one batched copy. `wait()` only waits (for a copy with CUDA memory: on its
+    own event, never the whole device); `check()` raises the copy's error."""
 
-    def __init__(self, futures: Sequence[Future[None]], error: BaseException | None = None) -> None:
+    def __init__(
+        self,
+        futures: Sequence[Future[Any]],
+        error: BaseException | None = None,
+        device_events: Sequence[Any] = (),
+    ) -> None:
         self._futures = list(futures)
         self._error = error  # of a copy already done in the caller's thread
-        self._done = not self._futures
+        self._device = list(device_events)  # CUDA events of copies enqueued here
+        self._done = not self._futures and not self._device
+        # A copy on the copy stream: GPU work after it is ordered by its event, no host wait.
+        self.on_device = bool(self._device) or bool(self._futures and device_events is DEVICE)
+
+    def _device_events(self) -> list[Any]:
+        found = list(self._device)
+        for future in self._futures:
+            if future.done() and future.exception() is None and future.result() is not None:
+                found.append(future.result())
+        return found
 
     def is_set(self) -> bool:
         if not self._done:
-            self._done = all(future.done() for future in self._futures)
+            self._done = all(future.done() for future in self._futures) and all(
+                event.query() for event in self._device_events()
+            )
         return self._done
 
     def _finish(self) -> None:
@@ -51,7 +78,16 @@ class CopyEvent:
                 future.exception(timeout)
             except TimeoutError:
                 return False
+        for event in self._device_events():
+            event.synchronize()
         return True
+
+    def wait_for_host(self) -> None:
+        """Wait only if the next user of the slots is the CPU's and the copy may still run: a
+        GPU user (the engine's kernels, another copy on the copy stream) is ordered by the
+        copy's event already."""
+        if not self.is_set():
+            self.wait()
 
     def check(self) -> None:
         """Wait, then raise `StorageError` if any part of the copy failed. Interrupted while
@@ -100,6 +136,13 @@ def contiguous(run: Sequence[tuple[int, int]], side: int) -> list[tuple[int, int
     return pieces
 
 
+DEVICE: tuple[Any, ...] = ()  # (a marker: the futures of a copy on the copy stream)
+
+
+def is_device(memory: Memory) -> bool:
+    return isinstance(memory, DeviceMemory) and memory.is_cuda
+
+
 def _host_array(memory: Memory) -> Bytes | None:
     if isinstance(memory, HostMemory):
         return memory.array
@@ -125,6 +168,15 @@ class Copier:
         self._parts_per_copy = min(workers, os.cpu_count() or 1)
         self._inline_bytes = inline_bytes
         self._split_bytes = split_bytes
+        self._order: DeviceOrder | None = None  # (made at the first copy with CUDA memory)
+        self._staging = StagingBuffers()
+
+    @property
+    def order(self) -> DeviceOrder:
+        """The copy stream and the engine's stream (CUDA only)."""
+        if self._order is None:
+            self._order = DeviceOrder()
+        return self._order
 
     def copy(
         self, source: PoolGroup, destination: PoolGroup, pairs: Sequence[tuple[int, int]]
@@ -132,6 +184,8 @@ class Copier:
         """Copy slot `s` of `source` to slot `d` of `destination` for every (s, d), all pools."""
         if not pairs:
             return CopyEvent([])
+        if any(map(is_device, (*source.memories, *destination.memories))):
+            return self._copy_device(source, destination, pairs)
         work = zip(source.memories, destination.memories, source.slot_sizes, strict=True)
         if len(pairs) * sum(source.slot_sizes) <= self._inline_bytes:
             # Handing a small copy to a thread costs more than the copy: do it here.
@@ -148,6 +202,31 @@ class Copier:
         ]
         return CopyEvent(futures)
 
+    def _copy_device(
+        self, source: PoolGroup, destination: PoolGroup, pairs: Sequence[tuple[int, int]]
+    ) -> CopyEvent:
+        """A copy with CUDA memory on a side: marked on the engine's stream here (the caller's
+        thread), enqueued on the copy stream (pool by pool; a disk side in a worker thread)."""
+        order = self.order
+        mark = order.mark()
+        work = list(zip(source.memories, destination.memories, source.slot_sizes, strict=True))
+        disk = isinstance(source.memories[0], DiskMemory) or isinstance(
+            destination.memories[0], DiskMemory
+        )
+        if disk:  # (file I/O in a thread: the caller goes on)
+            futures = [
+                self._pool.submit(
+                    _copy_disk_device, order, mark, self._staging, src, dst, size, pairs
+                )
+                for src, dst, size in work
+            ]
+            return CopyEvent(futures, device_events=DEVICE)
+        try:
+            done = [order.issue(mark, _batch(src, dst, size, pairs)) for src, dst, size in work]
+        except Exception as error:  # reported by check(), as a thread's would be
+            return CopyEvent([], error)
+        return CopyEvent([], device_events=done)
+
     def _parts(
         self, source: Memory, destination: Memory, size: int, pairs: Sequence[tuple[int, int]]
     ) -> list[Sequence[tuple[int, int]]]:
@@ -161,6 +240,7 @@ class Copier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._staging.close()
 
 
 def _copy_pool(
@@ -190,38 +270,158 @@ def _copy_pool(
             for index, (_, d) in enumerate(run):
                 destination.writev(d * size, [buffer[index * size : (index + 1) * size]])
     else:
-        _copy_cuda(source, destination, size, pairs)
+        raise StorageError(
+            22, f"no copy between {source.kind} and {destination.kind} memory here"
+        )  # (CUDA memory is copied by Copier._copy_device)
 
 
-def _copy_cuda(
-    source: Memory, destination: Memory, size: int, pairs: Sequence[tuple[int, int]]
-) -> None:
-    """Copies with a CUDA level on at least one side, on a side stream."""
+Endpoint = Memory | Bytes  # a pool's memory, or a staging buffer's bytes
+
+
+def _tensor(side: Endpoint) -> Any:
+    """A torch view of one side of a copy: the CUDA tensor, or host bytes without a copy."""
     import torch
 
-    def tensor_of(memory: Memory) -> Any:
-        if isinstance(memory, DeviceMemory) and memory.is_cuda:
-            return memory.tensor
-        array = _host_array(memory)
-        if array is None:
-            raise StorageError(
-                22, f"no direct copy between {source.kind} and {destination.kind} memory"
-            )
-        return torch.from_numpy(array)
+    if isinstance(side, np.ndarray):
+        return torch.from_numpy(side)
+    if isinstance(side, DeviceMemory) and side.is_cuda:
+        return side.tensor
+    array = _host_array(side)
+    if array is None:
+        raise StorageError(22, f"no torch view of {side.kind} memory")
+    return torch.from_numpy(array)
 
-    if isinstance(source, DiskMemory) or isinstance(destination, DiskMemory):
-        # No direct path between a file and CUDA memory: bounce each run through host memory.
-        for run in runs(pairs):
-            for s, d, n in contiguous(run, 1):
-                data = source.read(s * size, n * size)
-                destination.write(d * size, data)
-        return
-    src, dst = tensor_of(source), tensor_of(destination)
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call,unused-ignore]
-    with torch.cuda.stream(stream):
-        for run in runs(pairs):
-            for s, d, n in contiguous(run, 1):
-                dst[d * size : (d + n) * size].copy_(
-                    src[s * size : (s + n) * size], non_blocking=True
-                )
-    stream.synchronize()
+
+def _on_device(side: Endpoint) -> bool:
+    return not isinstance(side, np.ndarray) and is_device(side)
+
+
+DIRECT_PIECES = 4  # up to this many pieces consecutive on both sides: one copy each
+
+
+def _batch(
+    source: Endpoint, destination: Endpoint, size: int, pairs: Sequence[tuple[int, int]]
+) -> Callable[[], None]:
+    """The copies of one pool between a CUDA memory and another CUDA or host memory, to be
+    enqueued on the copy stream: one per piece consecutive on both sides when there are few;
+    otherwise a gather and a scatter on the device around one transfer per run consecutive on
+    the host side (or one `index_select` + `index_copy_` between two CUDA memories)."""
+
+    def enqueue() -> None:
+        import torch
+
+        src, dst = _tensor(source), _tensor(destination)
+        src_rows, dst_rows = src[: src.numel() // size * size], dst[: dst.numel() // size * size]
+        src_rows, dst_rows = src_rows.view(-1, size), dst_rows.view(-1, size)
+        pieces = [piece for run in runs(pairs) for piece in contiguous(run, 1)]
+        if len(pieces) <= DIRECT_PIECES:
+            for s, d, n in pieces:
+                dst_rows[d : d + n].copy_(src_rows[s : s + n], non_blocking=True)
+            return
+        device = (src if _on_device(source) else dst).device
+        if _on_device(source) and _on_device(destination):
+            index = torch.tensor(pairs, dtype=torch.int64).to(device, non_blocking=True)
+            dst_rows.index_copy_(0, index[:, 1], src_rows.index_select(0, index[:, 0]))
+        elif _on_device(destination):  # host -> GPU: a transfer per host run, then a scatter
+            ordered = [pair for run in runs(pairs) for pair in run]
+            staged = torch.empty((len(ordered), size), dtype=torch.uint8, device=device)
+            at = 0
+            for s, _, n in contiguous(ordered, 0):
+                staged[at : at + n].copy_(src_rows[s : s + n], non_blocking=True)
+                at += n
+            index = torch.tensor([d for _, d in ordered], dtype=torch.int64).to(device)
+            dst_rows.index_copy_(0, index, staged)
+        else:  # GPU -> host: a gather, then a transfer per host run
+            ordered = [pair for run in runs(pairs, by_destination=True) for pair in run]
+            index = torch.tensor([s for s, _ in ordered], dtype=torch.int64).to(device)
+            gathered = src_rows.index_select(0, index)
+            at = 0
+            for _, d, n in contiguous(ordered, 1):
+                dst_rows[d : d + n].copy_(gathered[at : at + n], non_blocking=True)
+                at += n
+
+    return enqueue
+
+
+STAGING_BYTES = 16 << 20  # each of the two pinned buffers between a disk and the GPU
+
+
+class StagingBuffers:
+    """Two pinned host buffers a disk <-> GPU copy alternates between (made on first use),
+    each with the event of the last transfer that used it."""
+
+    def __init__(self, nbytes: int | None = None) -> None:
+        self.nbytes = nbytes or STAGING_BYTES
+        self.buffers: list[HostMemory] = []
+        self.busy: list[Any] = [None, None]
+        self.lock = threading.Lock()  # (one disk <-> GPU copy at a time uses them)
+
+    def get(self, index: int) -> HostMemory:
+        if not self.buffers:
+            self.buffers = [HostMemory(self.nbytes), HostMemory(self.nbytes)]
+            for buffer in self.buffers:
+                buffer.pin()
+        busy = self.busy[index]
+        if busy is not None:
+            busy.synchronize()  # (its last transfer read or filled it: done before reuse)
+            self.busy[index] = None
+        return self.buffers[index]
+
+    def close(self) -> None:
+        for buffer in self.buffers:
+            buffer.close()
+        self.buffers = []
+
+
+def _copy_disk_device(
+    order: DeviceOrder,
+    mark: tuple[Any, Any],
+    staging: StagingBuffers,
+    source: Memory,
+    destination: Memory,
+    size: int,
+    pairs: Sequence[tuple[int, int]],
+) -> Any:
+    """A copy between a disk and a CUDA memory through the two pinned buffers in turn: while
+    one buffer's bytes cross the link, the other is read from or written to the file. Returns
+    the event of the last transfer onto the GPU (None: the bytes are on disk already)."""
+    to_disk = isinstance(destination, DiskMemory)
+    per_buffer = max(1, staging.nbytes // size)
+    ordered = [pair for run in runs(pairs, by_destination=to_disk) for pair in run]
+    chunks = [ordered[i : i + per_buffer] for i in range(0, len(ordered), per_buffer)]
+    last = None
+    with staging.lock:
+        pending: tuple[Any, Bytes, list[tuple[int, int]]] | None = None
+        for number, chunk in enumerate(chunks):
+            rows = staging.get(number % 2).array[: len(chunk) * size]
+            if to_disk:  # GPU -> this buffer now; the other buffer -> the file meanwhile
+                moves = [(s, i) for i, (s, _) in enumerate(chunk)]
+                event = order.issue(mark, _batch(source, rows, size, moves))
+                staging.busy[number % 2] = event
+                if pending is not None:
+                    _write_chunk(*pending, destination, size)
+                pending = (event, rows, chunk)
+            else:  # the file -> this buffer, then this buffer -> GPU (the other one may run)
+                at = 0
+                for run in runs(chunk):
+                    source.readv(  # type: ignore[attr-defined]
+                        run[0][0] * size, [rows[at * size : (at + len(run)) * size]]
+                    )
+                    at += len(run)
+                moves = [(i, d) for i, (_, d) in enumerate(chunk)]
+                last = order.issue(mark, _batch(rows, destination, size, moves))
+                staging.busy[number % 2] = last
+        if pending is not None:
+            _write_chunk(*pending, destination, size)
+    return last
+
+
+def _write_chunk(
+    event: Any, rows: Bytes, chunk: list[tuple[int, int]], disk: Memory, size: int
+) -> None:
+    event.synchronize()  # (the transfer into this buffer only)
+    for run in runs([(i, d) for i, (_, d) in enumerate(chunk)], by_destination=True):
+        at = run[0][0]
+        disk.writev(  # type: ignore[attr-defined]
+            run[0][1] * size, [rows[at * size : (at + len(run)) * size]]
+        )

@@ -9,7 +9,12 @@ Each pool of each level owns one `Memory` of `size` bytes that can be resized at
 - `DiskMemory` is an unlinked temporary file; growing reserves the disk blocks up front
   (posix_fallocate), so "disk full" surfaces at resize time, not in the middle of an eviction.
 - `DeviceMemory` is torch CUDA memory when a GPU is present, else host memory with the same
-  interface. CUDA memory is reallocated on resize, so its addresses move: re-fetch views.
+  interface. CUDA memory is reallocated on resize, so its addresses move (re-fetch views), and
+  a resize briefly needs the old and the new size at once, plus a device copy of what is kept
+  (at the device's memory bandwidth: about a millisecond per GiB on an H200).
+
+Where a GPU level exists, host levels are pinned (`HostMemory.pin`: the used range registered
+with the CUDA driver), so copies to and from the GPU are asynchronous DMA.
 """
 
 from __future__ import annotations
@@ -134,6 +139,32 @@ class HostMemory(Memory):
         self._map: mmap.mmap | None = _reserve(max_size)
         self.array: Bytes = np.frombuffer(self._map, dtype=np.uint8, count=max_size)
         """The whole reservation as a writable array; only [0, size) is in use."""
+        self._wants_pin = False
+        self.pinned = 0  # bytes registered with the CUDA driver, from the start
+
+    def pin(self) -> bool:
+        """Page-lock the used range for the GPU (and keep it so across resizes). False, with
+        one log line, where the driver refuses: the memory works, pageable."""
+        self._wants_pin = True
+        return self._pin()
+
+    def _pin(self) -> bool:
+        from kvpool.storage import device
+
+        if self.pinned or not self._wants_pin or self._map is None:
+            return bool(self.pinned)
+        # (A whole page at least: the driver registers pages.)
+        nbytes = min(max(-(-self._size // PAGE_SIZE) * PAGE_SIZE, PAGE_SIZE), self._max_size)
+        if device.pin(self.array.ctypes.data, nbytes):
+            self.pinned = nbytes
+        return bool(self.pinned)
+
+    def _unpin(self) -> None:
+        from kvpool.storage import device
+
+        if self.pinned:
+            device.unpin(self.array.ctypes.data)
+            self.pinned = 0
 
     @property
     def size(self) -> int:
@@ -149,14 +180,18 @@ class HostMemory(Memory):
         _check_size("new_size", new_size)
         if self._map is None:
             raise StorageError(errno.EBADF, "the host memory is closed")
-        if new_size > self._max_size:
-            self._remap(new_size)
-        elif new_size < self._size:
-            start = -(-new_size // PAGE_SIZE) * PAGE_SIZE
-            end = min(-(-self._size // PAGE_SIZE) * PAGE_SIZE, self._max_size)
-            if start < end:
-                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
-        self._size = new_size
+        self._unpin()  # (a pinned range changes with the size; locked pages cannot go back)
+        try:
+            if new_size > self._max_size:
+                self._remap(new_size)
+            elif new_size < self._size:
+                start = -(-new_size // PAGE_SIZE) * PAGE_SIZE
+                end = min(-(-self._size // PAGE_SIZE) * PAGE_SIZE, self._max_size)
+                if start < end:
+                    self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+            self._size = new_size
+        finally:
+            self._pin()
 
     def _remap(self, new_max: int) -> None:
         old_map, old_array = self._map, self.array
@@ -181,6 +216,7 @@ class HostMemory(Memory):
     def close(self) -> None:
         if self._map is None:
             return
+        self._unpin()
         self.array = np.empty(0, dtype=np.uint8)
         self._size = 0
         # A caller may still hold a view: then the mapping goes when the last view is dropped.

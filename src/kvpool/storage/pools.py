@@ -151,6 +151,12 @@ class PoolGroup:
     def num_slots(self) -> int:
         return self.allocator.capacity
 
+    @property
+    def on_device(self) -> bool:
+        """Whether its memory is CUDA memory (its slots' users are ordered on the GPU)."""
+        memory = self.memories[0] if self.memories else None
+        return isinstance(memory, DeviceMemory) and memory.is_cuda
+
     def pool_view(self, pool: int) -> Any:
         """Pool `pool` as a writable uint8 array [num_slots, slot_size] over its real memory
         (numpy for host memory, a torch tensor for CUDA memory). Re-fetch after a resize."""

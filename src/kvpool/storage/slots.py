@@ -40,6 +40,15 @@ class ReadyEvent(Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
 
 
+def wait_before(event: ReadyEvent | None, on_device: bool) -> None:
+    """Before the next use of a slot: wait for `event` unless that use is ordered after it on
+    the GPU already (`on_device`: the next user is the engine's kernels or a copy on the copy
+    stream, and the event is a copy on the copy stream, which the engine's stream waits for)."""
+    if event is None or (on_device and getattr(event, "on_device", False)) or event.is_set():
+        return
+    event.wait()
+
+
 class Slot:
     """The handle of one slot id. Before using the slot, wait on `ready_event` if it is not None.
 

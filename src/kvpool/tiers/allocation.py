@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvpool.records import Page
+from kvpool.storage.slots import wait_before
 from kvpool.tiers.migration import Migration
 from kvpool.tiers.planning import Plan, Planning
 
@@ -56,10 +57,11 @@ class Allocation(Planning, Migration):
         if allocator.num_free_slots < count:
             self.make_room(level, pool_group, count)
         spare, owners = self._spare_pages, self.pages[level][pool_group]
+        on_device = self.levels[level].pool_groups[pool_group].on_device
         pages = []
         for slot in allocator.allocate_multiple(count):
             if slot.ready_event is not None:  # a copy from it may still run: let it finish
-                slot.ready_event.wait()
+                wait_before(slot.ready_event, on_device)  # (the engine's kernels write it)
                 slot.ready_event = None
             if spare:
                 page = spare.pop()

@@ -14,6 +14,7 @@ from kvpool.errors import CorruptedError, StorageError
 from kvpool.records import Page
 from kvpool.storage.memory import HostMemory
 from kvpool.storage.pools import PoolGroup
+from kvpool.storage.slots import wait_before
 from kvpool.tiers.ownership import Ownership
 
 
@@ -67,11 +68,16 @@ class Migration(Ownership):
     ) -> None:
         allocator = self.levels[level].pool_groups[pool_group].allocator
         slots = allocator.allocate_multiple(len(batch))
-        for slot in slots:
-            if slot.ready_event is not None:
-                slot.ready_event.wait()  # the slot's previous copy must be done before we write
         source_group = self.levels[source_level].pool_groups[pool_group]
         target_group = self.levels[level].pool_groups[pool_group]
+        # The previous copy into or out of a slot is done before this one touches it: on the
+        # GPU by the copy stream's order, on the host by waiting.
+        on_device = source_group.on_device or target_group.on_device
+        for slot in slots:
+            wait_before(slot.ready_event, on_device)
+        for page in batch:
+            assert page.slot is not None
+            wait_before(page.slot.ready_event, on_device)
         if staged.slot_of and staged.has(batch[0]):
             copy_from, slot_of = staged.groups[pool_group], staged.slot_of
             pairs = [
@@ -125,6 +131,7 @@ class Migration(Ownership):
     def read_page(self, page: Page) -> bytes:
         """A copy of the page's bytes, pool by pool (`StorageError` if a disk read fails)."""
         assert page.slot is not None
+        wait_before(page.slot.ready_event, False)  # (the CPU reads it)
         group, slot = self.levels[page.level].pool_groups[page.pool_group], page.slot.slot_id
         return b"".join(
             memory.read(slot * size, size).data
@@ -164,9 +171,14 @@ class Migration(Ownership):
                 first = taken[pool_group]
                 taken[pool_group] += len(batch)
                 pairs = [(page.slot_id, first + i) for i, page in enumerate(batch)]
-                self.copier.copy(
+                for page in batch:  # (its last copy in is done: the CPU may read it next)
+                    assert page.slot is not None
+                    wait_before(page.slot.ready_event, False)
+                event = self.copier.copy(
                     self.levels[level].pool_groups[pool_group], staged.groups[pool_group], pairs
-                ).check()
+                )
+                event.check()
+                event.wait()  # (the staged bytes are read by the CPU or a later copy)
                 for i, page in enumerate(batch):
                     staged.slot_of[id(page)] = first + i
         except BaseException:
@@ -191,8 +203,7 @@ class Migration(Ownership):
             if not group.allocator.num_free_slots:
                 continue
             slot = group.allocator.allocate()
-            if slot.ready_event is not None:
-                slot.ready_event.wait()
+            wait_before(slot.ready_event, group.on_device)
             try:
                 self.copier.copy(source, group, [(source_slot, slot.slot_id)]).check()
             except StorageError as error:
@@ -219,6 +230,13 @@ class Migration(Ownership):
         for source, destination in pairs:
             assert source.pool_group == destination.pool_group
             pool_group = source.pool_group
+            on_device = (
+                self.levels[source.level].pool_groups[pool_group].on_device
+                or self.levels[destination.level].pool_groups[pool_group].on_device
+            )
+            for page in (source, destination):
+                if page.slot is not None:
+                    wait_before(page.slot.ready_event, on_device)
             if staged.has(source):
                 key = (-1, destination.level, pool_group)
                 sources[key] = staged.groups[pool_group]

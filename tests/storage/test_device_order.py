@@ -1,0 +1,246 @@
+"""The CUDA paths on the CPU (issue 34), under a recording torch.cuda (`tests/fake_cuda.py`): the
+GPU level is a CPU tensor, so every copy's bytes are real and checked, while the streams and
+events record the order kvpool uses them in. Checked: a copy waits for the engine's work queued
+before the call and the engine's stream waits for the copy, with no device-wide or per-call
+synchronization; the host waits on a copy's own event only before the CPU touches its bytes;
+scattered slots go in few launches; host levels are pinned (and follow resizes) or fall back with
+one log line; a disk and the GPU exchange pages through two pinned buffers in turn."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvpool import (  # noqa: E402
+    DiskCacheTierConfig,
+    GpuCacheTierConfig,
+    HostCacheTierConfig,
+    KVCacheManager,
+    LogicError,
+)
+from kvpool.storage import copier, device  # noqa: E402
+from tests import fake_cuda  # noqa: E402
+from tests.engine_check import CheckingEngine  # noqa: E402
+from tests.fuzz.fuzzer import fuzz  # noqa: E402
+from tests.helpers import MiB, make_config, record_layer, shutdown  # noqa: E402
+
+TPB = 16
+LAYERS = [record_layer(i, TPB, repeats=64) for i in range(2)]  # 64 KiB pages: 32 per 2 MiB
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    monkeypatch.setattr(device, "_pin_refused", [])
+    return fake_cuda.install(monkeypatch)
+
+
+def prompt(n, blocks):
+    return [n * 10_000 + i for i in range(blocks * TPB)]
+
+
+def run(m, engine, tokens, keep=False):
+    cache = m.create_kv_cache(None, tokens[:-1])
+    assert cache.resume()
+    assert engine.step(cache, tokens, tokens[cache.num_committed_tokens :])
+    engine.check(cache, tokens)
+    if keep:
+        return cache
+    cache.close()
+    return None
+
+
+def copies(log):
+    """Each copy's entries, from the copy stream's wait to the engine's wait for it."""
+    found, current = [], None
+    for entry in log:
+        if entry[0] == "wait" and entry[1].startswith("copy"):
+            current = [entry]
+        elif current is not None:
+            current.append(entry)
+            if entry[0] == "wait" and entry[1] == "engine":
+                found.append(current)
+                current = None
+    return found
+
+
+def test_copies_wait_for_the_engines_work_and_the_engine_waits_for_them(cuda):
+    m = KVCacheManager(
+        make_config(LAYERS, [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(4 * MiB)], TPB)
+    )
+    assert m.on_device
+    engine = CheckingEngine(m)
+    held = run(m, engine, prompt(1, 10), keep=True)
+    held.suspend()
+    for n in range(2, 6):  # push the held request's pages to the host
+        run(m, engine, prompt(n, 10))
+    assert m.num_moved_pages[1] > 0
+    assert held.resume()  # ... and bring them back
+    engine.check(held, prompt(1, 10))
+    held.close()
+    log = cuda.log
+    issued = copies(log)
+    assert issued, "no copy went through the copy stream"
+    records = {entry[2]: entry[1] for entry in log if entry[0] == "record"}
+    for entries in issued:
+        waited_for = entries[0][2]
+        # The copy stream waits for an event the engine's stream recorded at the call ...
+        assert records[waited_for] == "engine", entries
+        assert (
+            ("enter", entries[0][1]) in entries
+            and ("launch", entries[0][1], "copy_") in [e[:3] for e in entries if e[0] == "launch"]
+            or any(e[0] == "launch" for e in entries)
+        )
+        done = entries[-1][2]
+        # ... and the engine's stream waits for the event the copy stream recorded after it.
+        assert records[done] == entries[0][1] and entries[-1][:2] == ("wait", "engine")
+    assert not cuda.ops("device synchronize", "stream synchronize")
+    shutdown(m)
+
+
+def test_the_host_waits_for_a_copy_only_before_the_cpu_touches_its_bytes(cuda):
+    tiers = [
+        GpuCacheTierConfig(2 * MiB),
+        HostCacheTierConfig(2 * MiB),
+        DiskCacheTierConfig(8 * MiB, "."),
+    ]
+    m = KVCacheManager(make_config(LAYERS, tiers, TPB))
+    engine = CheckingEngine(m)
+    requests = [prompt(n, 10) for n in range(12)]  # GPU -> host -> disk
+    for tokens in requests:
+        run(m, engine, tokens)
+    assert m.num_moved_pages[2] > 0
+    # Pages copied GPU -> host were then copied host -> disk by the CPU: it waited for those
+    # copies' events (never the device). GPU slots a copy read were handed to requests without
+    # a wait (the engine's stream waits for the copy).
+    waited = {entry[1] for entry in cuda.ops("event synchronize")}
+    out_of_gpu = [entries[-1][2] for entries in copies(cuda.log)]
+    assert waited and waited <= set(out_of_gpu)
+    assert len(waited) < len(out_of_gpu)  # not every copy: only those the CPU read after
+    # Reading a page's bytes on the CPU waits for the copy that wrote them.
+    cache = m.create_kv_cache(None, requests[-1][:-1])
+    assert cache.resume()
+    engine.check(cache, requests[-1])
+    cache.close()
+    assert not cuda.ops("device synchronize", "stream synchronize")
+    shutdown(m)
+
+
+@pytest.mark.parametrize("direction", ["to-gpu", "from-gpu", "within-gpu"])
+def test_scattered_slots_move_in_few_launches(cuda, direction):
+    from kvpool.storage.memory import DeviceMemory, HostMemory
+
+    size = 256
+    gpu, other_gpu, host = DeviceMemory(96 * size), DeviceMemory(96 * size), HostMemory(96 * size)
+    # 40 pages between every other slot of the GPU and two runs of the host: 40 pieces.
+    scattered = [2 * i + 1 for i in range(40)]
+    host_runs = list(range(20)) + list(range(50, 70))
+    source, destination, pairs = {
+        "to-gpu": (host, gpu, list(zip(host_runs, scattered, strict=True))),
+        "from-gpu": (gpu, host, list(zip(scattered, host_runs, strict=True))),
+        "within-gpu": (gpu, other_gpu, list(zip(scattered, host_runs, strict=True))),
+    }[direction]
+    src = copier._tensor(source).view(-1, size)
+    src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8))  # (on the "engine" stream)
+    order = device.DeviceOrder()
+    order.issue(order.mark(), copier._batch(source, destination, size, pairs))
+    dst = copier._tensor(destination).view(-1, size)
+    for s, d in pairs:
+        assert torch.equal(dst[d], src[s]), (s, d)
+    launches = [entry[2] for entry in cuda.ops("launch")]
+    # One gather/scatter on the device and one transfer per run consecutive on the host side
+    # (two runs), not one per page.
+    assert {"index_select", "index_copy_"} & set(launches), launches
+    assert len(launches) <= 3, launches
+
+
+def test_host_levels_are_pinned_and_stay_pinned_across_resizes(cuda):
+    tiers = [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(4 * MiB)]
+    m = KVCacheManager(make_config(LAYERS, tiers, TPB))
+    host_memories = [mem for group in m._storage.levels[1].pool_groups for mem in group.memories]
+    assert all(mem.pinned == mem.size for mem in host_memories)
+    assert sum(cuda.registered.values()) == sum(mem.size for mem in host_memories)
+    assert m.resize(1, 2 * MiB)  # a smaller host level: re-pinned at its new size
+    assert all(mem.pinned == mem.size for mem in host_memories)
+    assert sum(cuda.registered.values()) == 2 * MiB
+    shutdown(m)
+    assert cuda.registered == {}  # unpinned before the memory went
+
+
+def test_a_driver_that_refuses_pinning_is_logged_once_and_the_memory_works(cuda, caplog):
+    cuda.refuse_pinning = True
+    tiers = [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(4 * MiB)]
+    with caplog.at_level(logging.WARNING, logger="kvpool.storage"):
+        m = KVCacheManager(make_config(LAYERS, tiers, TPB))
+        second = KVCacheManager(make_config(LAYERS, tiers, TPB))
+    assert caplog.text.count("could not be pinned") == 1
+    engine = CheckingEngine(m)
+    held = run(m, engine, prompt(1, 10), keep=True)
+    held.suspend()
+    for n in range(2, 6):
+        run(m, engine, prompt(n, 10))
+    assert held.resume()
+    engine.check(held, prompt(1, 10))
+    held.close()
+    shutdown(m)
+    shutdown(second)
+
+
+def test_a_disk_and_the_gpu_exchange_pages_through_two_pinned_buffers_in_turn(
+    cuda, monkeypatch, tmp_path
+):
+    monkeypatch.setattr(copier, "STAGING_BYTES", 4 * 64 * 1024)  # 4 pages a buffer
+    tiers = [GpuCacheTierConfig(2 * MiB), DiskCacheTierConfig(8 * MiB, str(tmp_path))]
+    m = KVCacheManager(make_config(LAYERS, tiers, TPB))
+    engine = CheckingEngine(m)
+    held = run(m, engine, prompt(1, 20), keep=True)
+    held.suspend()
+    for n in range(2, 5):  # 20 held pages go to the disk, through the buffers
+        run(m, engine, prompt(n, 20))
+    assert m.num_moved_pages[1] >= 20
+    assert held.resume()  # back through them
+    engine.check(held, prompt(1, 20))
+    held.close()
+    staging = m._storage.copier._staging
+    assert len(staging.buffers) == 2 and all(buffer.pinned for buffer in staging.buffers)
+    issued = copies(cuda.log)
+    assert len(issued) >= 2 * (20 // 4)  # chunks of 4 pages each way
+    # Each buffer's previous transfer was waited for (on its event) before the buffer's reuse.
+    assert len(cuda.ops("event synchronize")) >= 20 // 4
+    shutdown(m)
+
+
+def test_the_engine_may_name_its_stream(cuda):
+    m = KVCacheManager(
+        make_config(LAYERS, [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(4 * MiB)], TPB)
+    )
+    mine = fake_cuda.FakeStream(cuda, "mine")
+    m.set_engine_stream(mine)
+    engine = CheckingEngine(m)
+    held = run(m, engine, prompt(1, 10), keep=True)
+    held.suspend()
+    for n in range(2, 6):
+        run(m, engine, prompt(n, 10))
+    assert held.resume()
+    held.close()
+    waits = [entry for entry in cuda.log if entry[0] == "wait" and not entry[1].startswith("copy")]
+    assert waits and all(entry[1] == "mine" for entry in waits)
+    shutdown(m)
+
+
+def test_naming_a_stream_without_a_cuda_level_is_refused():
+    m = KVCacheManager(make_config(LAYERS, [GpuCacheTierConfig(2 * MiB)], TPB))
+    assert not m.on_device
+    with pytest.raises(LogicError, match="no CUDA device"):
+        m.set_engine_stream(object())
+    shutdown(m)
+
+
+@pytest.mark.parametrize("layout", ["gpu-host", "gpu-host-disk", "hybrid", "tight"])
+def test_the_fuzzer_passes_through_the_device_paths(cuda, layout):
+    stats = fuzz(layout, 2, 1000)
+    assert stats["pages moved between levels"] > 0 and stats["records checked"] > 50_000
+    assert len(cuda.ops("launch")) > 0
+    assert not cuda.ops("device synchronize", "stream synchronize")
