@@ -79,10 +79,10 @@ class FakeCuda:
         self.engine = FakeStream(self, "engine")
         self._current = threading.local()
 
-    def Stream(self) -> FakeStream:  # noqa: N802 (torch.cuda's name)
+    def Stream(self) -> FakeStream:  # (torch.cuda's names)
         return FakeStream(self, f"copy{next(self.streams)}")
 
-    def Event(self) -> FakeEvent:  # noqa: N802
+    def Event(self) -> FakeEvent:
         return FakeEvent(self)
 
     def current_stream(self) -> FakeStream:
