@@ -69,7 +69,7 @@ def plot(kv: dict[str, Any], vllm: dict[str, Any], sglang: dict[str, Any], path:
     )
     groups.append(
         (
-            "(c) hybrid model",
+            "(c) hybrid model\n(vLLM: its 6-group plan)",
             {
                 "kvpool": kv["c"]["total_wall_s"],
                 "vLLM": get(vllm.get("c_6groups") or vllm.get("c"), "total_wall_s"),

@@ -42,13 +42,15 @@ class CopyEvent:
         futures: Sequence[Future[Any]],
         error: BaseException | None = None,
         device_events: Sequence[Any] = (),
+        on_device: bool = False,
     ) -> None:
         self._futures = list(futures)
         self._error = error  # of a copy already done in the caller's thread
         self._device = list(device_events)  # CUDA events of copies enqueued here
         self._done = not self._futures and not self._device
-        # A copy on the copy stream: GPU work after it is ordered by its event, no host wait.
-        self.on_device = bool(self._device) or bool(self._futures and device_events is DEVICE)
+        # A copy on the copy stream (its futures, if any, return its CUDA event): GPU work
+        # after it is ordered by that event, with no host wait.
+        self.on_device = on_device or bool(self._device)
 
     def _device_events(self) -> list[Any]:
         found = list(self._device)
@@ -81,13 +83,6 @@ class CopyEvent:
         for event in self._device_events():
             event.synchronize()
         return True
-
-    def wait_for_host(self) -> None:
-        """Wait only if the next user of the slots is the CPU's and the copy may still run: a
-        GPU user (the engine's kernels, another copy on the copy stream) is ordered by the
-        copy's event already."""
-        if not self.is_set():
-            self.wait()
 
     def check(self) -> None:
         """Wait, then raise `StorageError` if any part of the copy failed. Interrupted while
@@ -134,9 +129,6 @@ def contiguous(run: Sequence[tuple[int, int]], side: int) -> list[tuple[int, int
                 continue
         pieces.append((src, dst, 1))
     return pieces
-
-
-DEVICE: tuple[Any, ...] = ()  # (a marker: the futures of a copy on the copy stream)
 
 
 def is_device(memory: Memory) -> bool:
@@ -220,7 +212,7 @@ class Copier:
                 )
                 for src, dst, size in work
             ]
-            return CopyEvent(futures, device_events=DEVICE)
+            return CopyEvent(futures, on_device=True)
         try:
             done = [order.issue(mark, _batch(src, dst, size, pairs)) for src, dst, size in work]
         except Exception as error:  # reported by check(), as a thread's would be
