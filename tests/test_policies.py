@@ -547,3 +547,45 @@ def test_two_managers_on_clocks_apart_take_the_same_decisions(policy):
     assert managers[0]._storage.queues[0][0]._classed > 0
     for m in managers:
         shutdown(m)
+
+
+def test_a_drop_starts_each_new_candidate_once_in_its_age_bin_and_censors_forgotten_ghosts():
+    """`dropped`, count by count (bins of 8 blocks of traffic, 10 bins, 80 ghosts): a block that
+    became a leaf only as its children went starts as a candidate at its age; one already a
+    candidate does not start again; the class is the use count up to 3; an age past the bins
+    counts in the last; a ghost forgotten past the limit ends (censored) at its age."""
+    policy = learned_policy()
+    started = [row[:] for row in policy.started]
+    policy.now = 125
+    newly = [block(5000 + n, uses=2, used_at=100) for n in range(2)]  # age 25: bin 3
+    for owner in newly:
+        owner.in_tree = False
+    already = block(5002, uses=1, used_at=100)
+    already.candidate, already.in_tree = True, False  # (counted when it was released)
+    often = block(5003, uses=7, used_at=120)  # class 3, age 5: bin 0
+    often.in_tree = False
+    old = block(5004, uses=1, used_at=0)  # age 125: past the last bin (9)
+    old.in_tree = False
+    policy.dropped([*newly, already, often, old], [None] * 5)
+    expected = [row[:] for row in started]
+    expected[2][3] += 2
+    expected[3][0] += 1
+    expected[1][9] += 1
+    assert policy.started == expected
+    assert all(not owner.candidate for owner in (*newly, already, often, old))
+    assert policy.ghosts[newly[0].key] == (100, 2) and policy.ghosts[often.key] == (120, 7)
+    # Ghosts up to the limit are kept; each one past it forgets the oldest, ended at its age.
+    while len(policy.ghosts) < policy.ghost_limit:
+        filler = block(6000 + len(policy.ghosts), uses=1, used_at=124)
+        filler.candidate, filler.in_tree = True, False
+        policy.dropped([filler], [None])
+    ended = [row[:] for row in policy.ended]
+    oldest_key = next(iter(policy.ghosts))
+    oldest_used_at, oldest_uses = policy.ghosts[oldest_key]
+    extra = block(7000, uses=1, used_at=125)
+    extra.candidate, extra.in_tree = True, False
+    policy.dropped([extra], [None])
+    assert oldest_key not in policy.ghosts and len(policy.ghosts) == policy.ghost_limit
+    age_bin = min((125 - oldest_used_at) // 8, 9)
+    ended[min(oldest_uses, CLASSES)][age_bin] += 1
+    assert policy.ended == ended
