@@ -589,3 +589,32 @@ def test_a_drop_starts_each_new_candidate_once_in_its_age_bin_and_censors_forgot
     age_bin = min((125 - oldest_used_at) // 8, 9)
     ended[min(oldest_uses, CLASSES)][age_bin] += 1
     assert policy.ended == ended
+
+
+def test_hazard_scores_match_the_hand_worked_definition():
+    """The learned policy's class-2 blocks are all used again at age 26 (bin 3): the hazard is
+    0 in bins 0-2 and 1 (less 1e-9) in bin 3. With a horizon of 1.25 bins and a discount of
+    e^(-0.25 / 1.25) per quarter bin, worked by hand: a block just used scores only the
+    tie-break, 0.05 x d^12 x later(bin 3); one used 20 ago is reused within the horizon for
+    sure, plus 0.05 x d^2 x later(bin 3); past the table (80 blocks of traffic, 4 x 10 quarter
+    bins), nothing."""
+    import math
+
+    policy = learned_policy()
+    policy.now = 500
+    score = policy.scorer()
+
+    def of(age):
+        page = page_of(block(1, uses=2, used_at=500 - age))
+        page.klass = policy.classify(page)
+        return score(page)
+
+    d, chance = math.exp(-0.2), 1 - (1e-9) ** 0.25  # per quarter bin: discount, reuse
+    later = chance  # the discounted expected reuse from bin 3's quarters, last one first
+    for _ in range(3):
+        later = chance + (1 - chance) * d * later
+    just_used, recent = of(0), of(20)
+    assert just_used[0] == pytest.approx(0.05 * d**12 * later, rel=1e-9) and just_used[1] == 0.0
+    assert recent[0] == pytest.approx(1 - 1e-9 + 0.05 * d**2 * later, rel=1e-9)
+    assert recent[1] == pytest.approx(math.sqrt((1 - 1e-9) * 1e-9 / 40), rel=1e-3)
+    assert of(79) == (0.0, 0.0) and of(80) == (0.0, 0.0) and of(500) == (0.0, 0.0)
