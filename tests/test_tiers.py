@@ -455,3 +455,36 @@ def test_a_full_level_evicts_a_batch_so_the_next_blocks_find_free_slots(make, tm
         assert held.num_committed_tokens == len(prompt)
         engine.check_anywhere(held, prompt)
         held.close()
+
+
+def test_the_decision_record_names_each_move_by_slot_ids_and_the_copies_are_counted(make):
+    """What replicated managers compare (`record_decisions`): a move is ("move", from level,
+    to level, pool group, the slots it left, the slots it took), one id each per page; `stats()`
+    counts the bytes those copies moved."""
+    m, engine = make(tiers=[GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(2 * MiB)])
+    held = m.create_kv_cache()
+    tokens = list(range(10 * TPB))
+    assert held.resume() and engine.step(held, tokens, tokens)
+    held.suspend()
+    m.record_decisions(True)
+    page_bytes = sum(m._storage.levels[0].pool_groups[0].slot_sizes)
+    before = m.stats().copy_bytes
+    write_and_close(m, engine, [50_000 + i for i in range(30 * TPB)])  # pushes `held` down
+    moves = [d for d in m.take_decisions() if d[0] == "move"]
+    took = [slot for move in moves for slot in move[5]]
+    assert moves and all(move[1:4] == (0, 1, 0) for move in moves)
+    assert all(len(move[4]) == len(move[5]) > 0 for move in moves)
+    on_host = sorted(page.slot_id for page in held.pages(0) if page.level == 1)
+    assert on_host and set(on_host) <= set(took)  # (the held pages went where the record says)
+    assert m.stats().copy_bytes - before == len(took) * page_bytes
+    assert held.resume()  # and back up: the record names exactly those slots
+    again = [d for d in m.take_decisions() if d[0] == "move"]  # (others' pages make room)
+    down = [slot for move in again if move[1:3] == (0, 1) for slot in move[5]]
+    up = [move for move in again if move[1:3] == (1, 0)]
+    assert sorted(slot for move in up for slot in move[4]) == on_host
+    assert {slot for move in up for slot in move[5]} <= {page.slot_id for page in held.pages(0)}
+    assert all(page.level == 0 for page in held.pages(0))
+    moved = len(took) + len(down) + len(on_host)
+    assert m.stats().copy_bytes - before == moved * page_bytes
+    engine.check(held, tokens)
+    held.close()
