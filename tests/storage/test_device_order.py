@@ -52,6 +52,19 @@ def run(m, engine, tokens, keep=False):
     return None
 
 
+def round_trip(m, engine, blocks=10, pushers=4):
+    """A held request's pages pushed off the GPU by other requests, then resumed; its bytes are
+    checked where they came back."""
+    tokens = prompt(1, blocks)
+    held = run(m, engine, tokens, keep=True)
+    held.suspend()
+    for n in range(2, 2 + pushers):
+        run(m, engine, prompt(n, blocks))
+    assert held.resume()
+    engine.check(held, tokens)
+    held.close()
+
+
 def copies(log):
     """Each copy's entries, from the copy stream's wait to the engine's wait for it."""
     found, current = [], None
@@ -71,15 +84,8 @@ def test_copies_wait_for_the_engines_work_and_the_engine_waits_for_them(cuda):
         make_config(LAYERS, [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(4 * MiB)], TPB)
     )
     assert m.on_device
-    engine = CheckingEngine(m)
-    held = run(m, engine, prompt(1, 10), keep=True)
-    held.suspend()
-    for n in range(2, 6):  # push the held request's pages to the host
-        run(m, engine, prompt(n, 10))
-    assert m.num_moved_pages[1] > 0
-    assert held.resume()  # ... and bring them back
-    engine.check(held, prompt(1, 10))
-    held.close()
+    round_trip(m, CheckingEngine(m))  # to the host and back
+    assert m.num_moved_pages[1] > 0 and m.num_moved_pages[0] > 0
     log = cuda.log
     issued = copies(log)
     assert issued, "no copy went through the copy stream"
@@ -174,14 +180,7 @@ def test_a_driver_that_refuses_pinning_is_logged_once_and_the_memory_works(cuda,
         m = KVCacheManager(make_config(LAYERS, tiers, TPB))
         second = KVCacheManager(make_config(LAYERS, tiers, TPB))
     assert caplog.text.count("could not be pinned") == 1
-    engine = CheckingEngine(m)
-    held = run(m, engine, prompt(1, 10), keep=True)
-    held.suspend()
-    for n in range(2, 6):
-        run(m, engine, prompt(n, 10))
-    assert held.resume()
-    engine.check(held, prompt(1, 10))
-    held.close()
+    round_trip(m, CheckingEngine(m))  # (pageable memory: the same bytes)
     shutdown(m)
     shutdown(second)
 
@@ -192,15 +191,8 @@ def test_a_disk_and_the_gpu_exchange_pages_through_two_pinned_buffers_in_turn(
     monkeypatch.setattr(copier, "STAGING_BYTES", 4 * 64 * 1024)  # 4 pages a buffer
     tiers = [GpuCacheTierConfig(2 * MiB), DiskCacheTierConfig(8 * MiB, str(tmp_path))]
     m = KVCacheManager(make_config(LAYERS, tiers, TPB))
-    engine = CheckingEngine(m)
-    held = run(m, engine, prompt(1, 20), keep=True)
-    held.suspend()
-    for n in range(2, 5):  # 20 held pages go to the disk, through the buffers
-        run(m, engine, prompt(n, 20))
-    assert m.num_moved_pages[1] >= 20
-    assert held.resume()  # back through them
-    engine.check(held, prompt(1, 20))
-    held.close()
+    round_trip(m, CheckingEngine(m), blocks=20, pushers=3)  # to the disk and back
+    assert m.num_moved_pages[1] >= 20 and m.num_moved_pages[0] >= 20
     staging = m._storage.copier._staging
     assert len(staging.buffers) == 2 and all(buffer.pinned for buffer in staging.buffers)
     issued = copies(cuda.log)
@@ -216,13 +208,7 @@ def test_the_engine_may_name_its_stream(cuda):
     )
     mine = fake_cuda.FakeStream(cuda, "mine")
     m.set_engine_stream(mine)
-    engine = CheckingEngine(m)
-    held = run(m, engine, prompt(1, 10), keep=True)
-    held.suspend()
-    for n in range(2, 6):
-        run(m, engine, prompt(n, 10))
-    assert held.resume()
-    held.close()
+    round_trip(m, CheckingEngine(m))
     waits = [entry for entry in cuda.log if entry[0] == "wait" and not entry[1].startswith("copy")]
     assert waits and all(entry[1] == "mine" for entry in waits)
     shutdown(m)

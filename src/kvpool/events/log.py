@@ -21,13 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvpool.config import ReuseScope
-from kvpool.events.naming import (
-    MEDIA,
-    MEDIUM_CPU,
-    MEDIUM_DISK,
-    MEDIUM_EXTERNAL,
-    MEDIUM_GPU,
-)
+from kvpool.events.naming import MEDIUM_EXTERNAL
 from kvpool.events.naming import block_hash as _hash
 from kvpool.records import Block, LostBlock, Page
 
@@ -199,11 +193,4 @@ class KVEventLog:
         return digests or None
 
 
-__all__ = [
-    "MEDIA",
-    "MEDIUM_CPU",
-    "MEDIUM_DISK",
-    "MEDIUM_EXTERNAL",
-    "MEDIUM_GPU",
-    "KVEventLog",
-]
+__all__ = ["KVEventLog"]
