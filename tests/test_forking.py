@@ -240,3 +240,39 @@ def test_only_an_active_request_can_be_forked():
         m.fork_kv_cache(foreign)
     shutdown(other)
     shutdown(m)
+
+
+def test_prepare_write_copies_a_page_a_suspended_fork_holds_and_nothing_twice():
+    """A fork that is suspended holds the shared page (one lock, one hold: shared all the same);
+    an empty range, or a range already private, needs no copy and says True; a copy that runs out
+    of slots halfway gives back the copies it made."""
+    m = manager(BIG, [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(2 * MiB)])
+    engine = CheckingEngine(m)
+    tokens = list(range(1, 21))
+    a = computed(m, engine, tokens)  # 2 blocks, the second partial (no tree block)
+    b = m.fork_kv_cache(a)
+    b.suspend()
+    shared = a.pages(0)[1]
+    assert shared.block is None and shared.locks == 1 and shared.holds == 1
+    assert a.prepare_write(20, 20) is True and m.stats().copy_on_write_pages == 0
+    assert a.resize(21) and a.prepare_write(20, 21) is True
+    assert a.pages(0)[1] is not shared and m.stats().copy_on_write_pages == 1
+    assert a.prepare_write(20, 21) is True and m.stats().copy_on_write_pages == 1  # (private now)
+    engine.write(a, [5], 20)
+    assert a.resize(21, 21)
+    engine.check(a, [*tokens, 5])
+    assert b.resume()
+    engine.check(b, tokens)  # untouched by a's write
+    # Two shared pages, room for one copy: the first copy is given back, nothing changed.
+    c = m.fork_kv_cache(b)
+    (slots,) = m.get_slot_counts(0)
+    filler = m.create_kv_cache(None, [])
+    free = m.get_storage_statistics(0)[0].free
+    assert filler.resume() and filler.resize((free - 2) * TPB)
+    assert c.resize(40)  # (its third block takes one of the two free slots)
+    before = state_of(m)
+    assert not c.prepare_write(10, 40)  # blocks 0, 1 and 2 (new): 0 and 1 shared with b
+    assert state_of(m) == before and m.get_storage_statistics(0)[0].free == 1
+    for cache in (filler, a, b, c):
+        cache.close()
+    shutdown(m)
