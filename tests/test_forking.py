@@ -265,7 +265,6 @@ def test_prepare_write_copies_a_page_a_suspended_fork_holds_and_nothing_twice():
     engine.check(b, tokens)  # untouched by a's write
     # Two shared pages, room for one copy: the first copy is given back, nothing changed.
     c = m.fork_kv_cache(b)
-    (slots,) = m.get_slot_counts(0)
     filler = m.create_kv_cache(None, [])
     free = m.get_storage_statistics(0)[0].free
     assert filler.resume() and filler.resize((free - 2) * TPB)
