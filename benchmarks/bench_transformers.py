@@ -105,17 +105,23 @@ def cow_pages(model: Any, beams: int = 4, prompt: int = 200, new: int = 48) -> d
     manager = KVCacheManager(kvt.manager_config(model, 256 * MiB))
     cache = kvt.KVPoolCache(model, manager)
     full_copies = [0]
-    fork = manager.fork_kv_cache
 
-    def counting_fork(source: Any, id: int | None = None) -> Any:
-        full_copies[0] += sum(
-            page is not None
-            for g in range(manager.layout.num_layer_groups)
-            for page in source.pages(g)
-        )
-        return fork(source, id)
+    class CountingForks:
+        """The manager, counting the pages each fork would copy if forks copied everything
+        (a proxy: the native backend's manager takes no attributes)."""
 
-    manager.fork_kv_cache = counting_fork  # type: ignore[method-assign]
+        def __getattr__(self, name: str) -> Any:
+            return getattr(manager, name)
+
+        def fork_kv_cache(self, source: Any, id: int | None = None) -> Any:
+            full_copies[0] += sum(
+                page is not None
+                for g in range(manager.layout.num_layer_groups)
+                for page in source.pages(g)
+            )
+            return manager.fork_kv_cache(source, id)
+
+    cache.manager = CountingForks()  # type: ignore[assignment]
     ids = torch.randint(
         3, model.config.vocab_size, (2, prompt), generator=torch.Generator().manual_seed(2)
     )

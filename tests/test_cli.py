@@ -5,12 +5,14 @@ import subprocess
 
 import pytest
 
+import kvpool
 from kvpool.cli import main, parse_bytes
 
 
 def test_info_prints_the_pool_group_layout(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
+    assert f"backend {kvpool.backend_info().describe()}" in out.splitlines()[0]
     assert "model gemma-3-1b" in out
     assert "0: sliding window 512; layers 0-4,6-10,12-16,18-22,24-25; pool group 0" in out
     assert "1: full attention; layers 5,11,17,23; pool group 1" in out

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import kvpool
 from kvpool import KVCacheManagerConfig, _debug
 from kvpool.cli import main
 from kvpool.replay.driver import ReplayOptions, ReplayStalled, replay
@@ -236,6 +237,7 @@ def test_json_records_the_setup_and_repeats_the_run(capsys, tmp_path):
     assert status == 0
     data = json.loads(first.read_text())
     assert data["schema"] == 1 and data["kvpool_version"] and data["partial"] is False
+    assert data["backend"] == kvpool.backend()
     setup = data["setup"]
     assert (
         setup["seed"] == 3

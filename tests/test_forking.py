@@ -132,15 +132,15 @@ def test_prepare_write_with_no_room_changes_nothing_and_an_interrupted_copy_neit
     assert state_of(m) == before and m.stats().copy_on_write_pages == 0
     filler.close()
 
-    def interrupted(pairs, staged=None):
+    def interrupted(source, destination, pairs):
         raise KeyboardInterrupt
 
-    storage = m._storage
-    storage.copy_pages, real = interrupted, storage.copy_pages  # type: ignore[method-assign]
+    copier = m._storage.copier  # (a Python object on both backends)
+    copier.copy, real = interrupted, copier.copy  # type: ignore[method-assign]
     before = state_of(m)
     with pytest.raises(KeyboardInterrupt):
         a.prepare_write(20, 21)
-    storage.copy_pages = real  # type: ignore[method-assign]
+    copier.copy = real  # type: ignore[method-assign]
     m.check_invariants()
     assert state_of(m) == before and a.pages(0)[1] is b.pages(0)[1]
     assert a.prepare_write(20, 21)  # and it works afterwards

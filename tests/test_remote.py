@@ -647,7 +647,6 @@ def test_ctrl_c_during_a_fetch_changes_nothing_and_the_next_resume_loads_it(
     server, managers, monkeypatch, where
 ):
     from kvpool.remote.store import RemoteStore
-    from kvpool.tiers.migration import Migration
 
     a, engine_a = managers(server.url)
     tokens = prompt_of(6, 4)
@@ -656,7 +655,8 @@ def test_ctrl_c_during_a_fetch_changes_nothing_and_the_next_resume_loads_it(
     cache = b.create_kv_cache(None, tokens)
     free_before = [s.available for s in b.get_storage_statistics(0)]
     calls = []
-    target, name = (RemoteStore, "get_many") if where == "get" else (Migration, "write_page")
+    memory = b._storage.levels[0].pool_groups[0].memories[0]  # (where a fetched page goes)
+    target, name = (RemoteStore, "get_many") if where == "get" else (type(memory), "write")
     original = getattr(target, name)
 
     def interrupted(self, *args):

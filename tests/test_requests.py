@@ -258,6 +258,7 @@ def test_ids(manager):
     assert m.create_kv_cache(id=7).id == 7
 
 
+@pytest.mark.reference_only
 def test_blocks_a_prefill_left_out_of_the_window_go_at_the_next_resize_oldest_first(
     manager, monkeypatch
 ):

@@ -200,6 +200,7 @@ def test_sliding_window_match_needs_only_the_window_and_sinks(setup):
     assert run_request(m, engine, tokens[:180], 176, reuse_expected=176) == 176
 
 
+@pytest.mark.reference_only
 @pytest.mark.parametrize("deepest_first", [True, False])
 def test_dropping_full_attention_pages_frees_the_window_pages_of_their_blocks(setup, deepest_first):
     """A block that loses its full-attention page leaves the tree with its descendants; their

@@ -14,13 +14,10 @@ import bisect
 from collections import OrderedDict
 from collections.abc import Iterator, Set
 from itertools import islice
-from typing import TYPE_CHECKING
 
 from kvpool.errors import CorruptedError, OutOfPagesError
+from kvpool.policies import EvictionPolicy
 from kvpool.records import DEFAULT_PRIORITY, Page
-
-if TYPE_CHECKING:
-    from kvpool.policies import EvictionPolicy
 
 
 class EvictionQueue:

@@ -129,7 +129,7 @@ class KVLayout:
     def num_layer_groups(self) -> int:
         return len(self.life_cycles)
 
-    def placement(self, layer_id: int, role: str) -> BufferPlacement:
+    def placement(self, layer_id: object, role: object) -> BufferPlacement:
         """Where buffer (`layer_id`, `role`) lives; `ArgumentError` unless it is configured."""
         found = None
         if type(layer_id) is int and type(role) is str:

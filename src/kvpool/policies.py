@@ -59,6 +59,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from mypy_extensions import mypyc_attr
+
 from kvpool.config import EVICTION_POLICIES
 from kvpool.errors import ConfigError
 from kvpool.records import Block, Page
@@ -75,6 +77,7 @@ def use_class(block: Block) -> int:
     return min(block.uses, CLASSES)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # (tests script policies in Python)
 class EvictionPolicy:
     """LRU: the eviction queue's own order (every hook a no-op)."""
 

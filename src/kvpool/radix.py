@@ -14,15 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from hashlib import sha256
-from typing import TYPE_CHECKING
 
+from kvpool.events.log import KVEventLog
 from kvpool.layout import KVLayout
 from kvpool.lifecycles import AttentionLifeCycle, SsmLifeCycle
 from kvpool.records import Block, LostBlock, Page
 from kvpool.tokens import Token, _common_token_prefix, encode_checked, encode_tokens
-
-if TYPE_CHECKING:
-    from kvpool.events.log import KVEventLog
 
 # Partial matching and partial-block insertion scan a node's children only when it has few.
 MAX_CHILDREN_SCANNED = 32

@@ -15,13 +15,12 @@ Likewise the tree reuses Block objects that left it: requests keep block keys, n
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
+from mypy_extensions import mypyc_attr
+
+from kvpool.storage.slots import Slot
 from kvpool.tokens import Token, decode_tokens
-
-if TYPE_CHECKING:
-    from kvpool.storage.slots import Slot
-
 
 DEFAULT_PRIORITY = 35
 MIN_PRIORITY = 0
@@ -90,6 +89,7 @@ class Page:
         )
 
 
+@mypyc_attr(native_class=False)
 class Block(list["Page | None"]):
     """One committed block: full (`tokens_per_block` tokens) or a partial tail (fewer, a leaf).
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,7 @@ MAX_TOKEN = 2**31
 _DIGEST_MARKER = b"\xff\xff\xff\xff"
 
 
-def root_key(scope: ReuseScope | None) -> bytes:
+def root_key(scope: object) -> bytes:
     """Key of a reuse scope's root: a presence mask, then each present field.
 
     `None`, `(lora=0)`, `(salt=0)` and `(0, 0)` all differ, and so do `(lora=5)` and `(salt=5)`.
@@ -35,7 +36,8 @@ def root_key(scope: ReuseScope | None) -> bytes:
         raise ArgumentError(f"reuse_scope={scope!r} is invalid: must be a ReuseScope or None")
     mask = 0
     fields = []
-    for bit, (name, value) in enumerate(zip(ReuseScope._fields, scope, strict=True)):
+    values: tuple[object, ...] = tuple(scope)  # (a field of any type is refused by name below)
+    for bit, (name, value) in enumerate(zip(ReuseScope._fields, values, strict=True)):
         if value is None:
             continue
         mask |= 1 << bit
@@ -57,7 +59,7 @@ def _encode_scope_field(name: str, value: object) -> bytes:
     raise ArgumentError(f"reuse_scope.{name}={value!r} is invalid: must be {allowed}")
 
 
-def encode_tokens(tokens: Sequence[Token], name: str = "tokens") -> bytes:
+def encode_tokens(tokens: Sequence[Any], name: str = "tokens") -> bytes:
     """Bytes of a block's tokens: ints in [0, 2**31) as 4-byte little-endian, 32-byte digests
     after a marker. Anything else (bools included) raises `ArgumentError` (a ValueError) naming
     `name[i]`."""
@@ -90,7 +92,7 @@ def encode_checked(tokens: Sequence[Token]) -> bytes:
     return encode_tokens(tokens)
 
 
-def _has_bool(tokens: Sequence[Token], data: bytes) -> bool:
+def _has_bool(tokens: Sequence[Any], data: bytes) -> bool:
     """Whether an int token is really a bool (`struct` packs True as 1). Bools pack as 0 and 1,
     so a long run is checked only at the tokens with those values (numpy finds them)."""
     if len(tokens) <= 128:

@@ -28,7 +28,13 @@ logs (`record_decisions`: prefix hits, drops and moves by slot id, re-splits) mu
 after every operation: every decision is a function of the calls, never of a clock. (Injected
 faults are left out there: which of a batch's parallel copies meets a fault is thread timing.)
 
-Run a long fuzz:   python -m tests.fuzz.fuzzer --ops 100000 [--layout NAME] [--seed N] [--twins]
+Backends (`--backends`): the same operations drive a manager on this process's backend
+(`kvpool.backend()`) and one on the other backend, in a child process (`KVPOOL_BACKEND`), and
+their decision logs must be equal after every operation: the native backend decides exactly as
+the python one, its reference. (No injected faults, as for the twins.)
+
+Run a long fuzz:   python -m tests.fuzz.fuzzer --ops 100000 [--layout NAME] [--seed N]
+                   [--twins | --backends]
 Replay a failure:  python -m tests.fuzz.fuzzer --replay failure.json
 """
 
@@ -39,8 +45,10 @@ import contextlib
 import dataclasses
 import errno
 import json
+import os
 import random
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +61,7 @@ from typing import Any
 
 import pytest
 
+import kvpool
 from kvpool import (
     AttentionLayerConfig,
     BufferConfig,
@@ -832,6 +841,80 @@ def twins(layout: str, seed: int, num_ops: int) -> Counter[str]:
     return stats
 
 
+def other_backend() -> str:
+    return "python" if kvpool.backend() == "native" else "native"
+
+
+def decisions_on_the_other_backend(layout: str, seed: int, ops: list[Op]) -> list[list[Any]]:
+    """The decision log of `ops` replayed by a child process on the other backend."""
+    with tempfile.TemporaryDirectory(prefix="kvpool-backends-") as directory:
+        given, taken = Path(directory) / "ops.json", Path(directory) / "decisions.json"
+        given.write_text(json.dumps({"layout": layout, "seed": seed, "ops": ops}))
+        env = dict(os.environ, KVPOOL_BACKEND=other_backend())
+        command = [sys.executable, "-m", "tests.fuzz.fuzzer", "--decisions", str(given)]
+        done = subprocess.run(
+            [*command, "--out", str(taken)], env=env, capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise AssertionError(f"the {other_backend()} backend's replay failed: {done.stderr}")
+        result = json.loads(taken.read_text())
+    if result["backend"] == kvpool.backend():
+        pytest.skip(f"the {other_backend()} backend does not run here: {result['why']}")
+    return list(result["decisions"])
+
+
+def _compare(ops: list[Op], ours: list[list[Any]], theirs: list[list[Any]], what: str) -> None:
+    ours = json.loads(json.dumps(ours))  # (as the other side's came: tuples as lists)
+    for index, (mine, other) in enumerate(zip(ours, theirs, strict=True)):
+        if mine != other:
+            raise AssertionError(
+                f"{what} decided differently at operation {index} {ops[index]}: {mine} != {other}"
+            )
+
+
+def replay_backends(layout: str, seed: int, ops: list[Op]) -> Run:
+    """Apply `ops` on this process's backend and, in a child process, on the other; raises
+    `AssertionError` at the first operation after which their decisions differ."""
+    with _run(layout, seed) as run:
+        logs = _decisions(run, ops)
+        run.close()
+    _compare(ops, logs, decisions_on_the_other_backend(layout, seed, ops), "backends")
+    return run
+
+
+def backends(layout: str, seed: int, num_ops: int) -> Counter[str]:
+    """Generate `num_ops` operations (no injected faults) on this process's backend, recording
+    its decisions, then replay them on the other backend (a child process); their decisions
+    must be equal after every operation (`FuzzFailure` otherwise)."""
+    rng = random.Random(seed)
+    ops: list[Op] = []
+    logs: list[list[Any]] = []
+    with _run(layout, seed) as run:
+        run.manager.record_decisions(True)
+        try:
+            while len(ops) < num_ops:
+                op = generate(rng, run)
+                if op[0] == "fault":
+                    continue
+                ops.append(op)
+                run.apply(op)
+                logs.append(run.manager.take_decisions())
+            learned = int(getattr(run.manager._policy, "width", 0) > 0)
+            dropped = run.manager._storage.num_dropped
+            run.close()
+        except BaseException as error:
+            raise FuzzFailure(layout, seed, ops, error) from error
+    try:
+        _compare(ops, logs, decisions_on_the_other_backend(layout, seed, ops), "backends")
+    except AssertionError as error:
+        raise FuzzFailure(layout, seed, ops, error) from error
+    stats = run.stats
+    stats["eviction policy learned"] = learned
+    stats["pages dropped"] = dropped
+    stats["decisions compared"] = sum(map(len, logs))
+    return stats
+
+
 def _fails(
     layout: str, seed: int, ops: list[Op], signature: str, replayer: Callable[..., Any] = replay
 ) -> bool:
@@ -932,12 +1015,31 @@ def _renumber(ops: list[Op]) -> list[Op]:
 
 
 def save(
-    path: Path, layout: str, seed: int, ops: list[Op], error: BaseException, twins: bool = False
+    path: Path,
+    layout: str,
+    seed: int,
+    ops: list[Op],
+    error: BaseException,
+    twins: bool = False,
+    backends: bool = False,
 ) -> None:
     saved = {"layout": layout, "seed": seed, "error": _signature(error), "ops": ops}
     if twins:
         saved["twins"] = True
+    if backends:
+        saved["backends"] = True
     path.write_text(json.dumps(saved, indent=None))
+
+
+def write_decisions(given: Path, out: Path) -> None:
+    """`--decisions`: replay a saved operation list and write its decision log and this
+    process's backend (the other side of `backends`)."""
+    saved = json.loads(given.read_text())
+    with _run(saved["layout"], saved["seed"]) as run:
+        logs = _decisions(run, saved["ops"])
+        run.close()
+    info = kvpool.backend_info()
+    out.write_text(json.dumps({"backend": info.name, "why": info.reason, "decisions": logs}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -951,24 +1053,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--twins", action="store_true", help="compare the decisions of two managers' clocks"
     )
+    parser.add_argument(
+        "--backends", action="store_true", help="compare the decisions of the two backends"
+    )
+    parser.add_argument("--decisions", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.decisions:
+        write_decisions(args.decisions, args.out)
+        return 0
     if args.replay:
         saved = json.loads(args.replay.read_text())
-        (replay_twins if saved.get("twins") else replay)(
-            saved["layout"], saved["seed"], saved["ops"]
-        )
+        replayer = replay_twins if saved.get("twins") else replay
+        replayer = replay_backends if saved.get("backends") else replayer
+        replayer(saved["layout"], saved["seed"], saved["ops"])
         print("replay passed")
         return 0
     total: Counter[str] = Counter()
-    run_layout = twins if args.twins else fuzz
-    replayer = replay_twins if args.twins else replay
+    run_layout = backends if args.backends else twins if args.twins else fuzz
+    replayer = replay_backends if args.backends else replay_twins if args.twins else replay
     for layout in args.layout or sorted(LAYOUTS):
         started = time.perf_counter()
         try:
             stats = run_layout(layout, args.seed, args.ops)
         except FuzzFailure as failure:
             traceback.print_exception(failure.error)
-            save(args.out, failure.layout, failure.seed, failure.ops, failure.error, args.twins)
+            flags = (args.twins, args.backends)
+            save(args.out, failure.layout, failure.seed, failure.ops, failure.error, *flags)
             small = shrink(
                 failure.layout,
                 failure.seed,
@@ -977,7 +1087,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.shrink_seconds,
                 replayer,
             )
-            save(args.out, failure.layout, failure.seed, small, failure.error, args.twins)
+            save(args.out, failure.layout, failure.seed, small, failure.error, *flags)
             print(
                 f"{layout}: failed after {len(failure.ops)} ops; shrunk to {len(small)}: {args.out}"
             )

@@ -66,6 +66,7 @@ def _lossy_copy(real):
     return copy
 
 
+@pytest.mark.reference_only
 @pytest.mark.parametrize(
     ("target", "name", "make_bug"),
     [
@@ -111,6 +112,7 @@ def _clock_reading_inserted(real):
     return inserted
 
 
+@pytest.mark.reference_only
 def test_the_twins_catch_a_policy_that_reads_the_process_clock(monkeypatch):
     monkeypatch.setattr(HazardPolicy, "inserted", _clock_reading_inserted(HazardPolicy.inserted))
     with pytest.raises(FuzzFailure, match="twins decided differently") as caught:

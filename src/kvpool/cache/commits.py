@@ -9,7 +9,7 @@ later request can reuse a prefix only up to such a snapshot.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from hashlib import sha256
 from typing import NoReturn
 
@@ -265,12 +265,13 @@ class Commits(RequestState):
     def _priorities(self, first: int, count: int) -> Priorities:
         """The callback's priority for blocks `first` ... `first + count - 1` of every layer
         group, checked, before a commit changes anything."""
-        callback = self._priority_callback
+        # (typed as returning anything, so that compiled code hands the result to the check)
+        callback: Callable[[int, int], object] | None = self._priority_callback
         assert callback is not None
         priorities = {}
         for ordinal in range(first, first + count):
             for layer_group in range(len(self._pages)):
-                priority = callback(ordinal, layer_group)
+                priority: object = callback(ordinal, layer_group)  # (an engine's: any type)
                 if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
                     raise ArgumentError(
                         f"priority_callback({ordinal}, {layer_group})={priority!r} is invalid: "

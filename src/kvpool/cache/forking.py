@@ -15,16 +15,19 @@ are the engine's), so a fork that commits other tokens there poisons the reuse o
 
 from __future__ import annotations
 
+from typing import SupportsIndex, cast
+
 from kvpool import _debug
+from kvpool.cache.remote_loading import RemoteLoading
 from kvpool.cache.state import ACTIVE, RequestState
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
 from kvpool.records import Page
 
 
-class Forking(RequestState):
+class Forking(RemoteLoading):
     """`prepare_write`, and the copy of a request that `KVCacheManager.fork_kv_cache` makes."""
 
-    def prepare_write(self, begin: int, end: int) -> bool:
+    def prepare_write(self, begin: SupportsIndex, end: SupportsIndex) -> bool:
         """Make the pages of token positions [begin, end) this request's alone before the
         engine writes their KV: a page shared with a fork (or with the tree) is copied into a
         new private page, once. Returns False, with nothing changed, when no slot can be had
@@ -40,6 +43,7 @@ class Forking(RequestState):
                 raise ArgumentError(
                     f"{name}={value!r} is invalid: must be an integer in [{low}, {high}]"
                 )
+        begin, end = cast(int, begin), cast(int, end)  # (checked)
         if begin == end:
             return True
         tpb = self._tpb

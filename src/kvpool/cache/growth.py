@@ -4,18 +4,19 @@ sliding window as the history grows (sink blocks stay)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import NoReturn, SupportsIndex
 
 from kvpool import _debug
-from kvpool.cache.state import ACTIVE, GPU_LEVEL, RequestState
+from kvpool.cache.forking import Forking
+from kvpool.cache.state import ACTIVE, GPU_LEVEL
 from kvpool.errors import ArgumentError, LogicError
 from kvpool.records import Page
 
 
-class Growth(RequestState):
+class Growth(Forking):
     """`resize` and the sliding-window release it does on the way."""
 
-    def resize(self, capacity: int, history_length: int | None = None) -> bool:
+    def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         """Reserve blocks for `capacity` tokens and advance the history. All or nothing: returns
         False, with nothing changed, when the pages cannot be found even by eviction.
         Blocks that fall out of a sliding window are released (sink blocks stay)."""

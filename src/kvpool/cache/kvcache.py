@@ -3,21 +3,17 @@ from its growth (`Growth`) and its commits (`Commits`) on the shared `RequestSta
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import SupportsIndex
 
-from kvpool.cache.forking import Forking
 from kvpool.cache.growth import Growth
-from kvpool.cache.remote_loading import RemoteLoading
 from kvpool.cache.state import GPU_LEVEL, KVCacheStatus
 from kvpool.errors import LogicError
 from kvpool.records import Block, Page
+from kvpool.tiers import Staged
 from kvpool.validation import check_index
 
-if TYPE_CHECKING:
-    from kvpool.tiers import Staged
 
-
-class KVCache(Growth, RemoteLoading, Forking):
+class KVCache(Growth):
     """One request's KV cache. Created SUSPENDED by `KVCacheManager.create_kv_cache`."""
 
     def resume(self) -> bool:
@@ -78,7 +74,7 @@ class KVCache(Growth, RemoteLoading, Forking):
         self._ctx.counters.failed_resumes += 1
         return False
 
-    def prefetch(self, level: int) -> bool:
+    def prefetch(self, level: SupportsIndex) -> bool:
         """Suspended requests only: move the request's pages that are colder than `level` up
         to it, as far as `level` has room (best effort). True when none is left colder."""
         self._require_open("prefetch")
@@ -87,7 +83,7 @@ class KVCache(Growth, RemoteLoading, Forking):
                 f"prefetch() on KV cache {self.id}, which is {self._status.value} (it must be suspended)"
             )
         storage = self._ctx.storage
-        check_index("level", level, len(storage.levels))
+        level = check_index("level", level, len(storage.levels))
         if self._remote is not None and not self._load_remote(level):
             self._after_call()
             return False

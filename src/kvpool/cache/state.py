@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -30,11 +30,9 @@ from kvpool.radix import RadixTree
 from kvpool.records import Page
 from kvpool.remote import RemotePrefix, RemoteTier
 from kvpool.stats import Counters
+from kvpool.tiers import StorageManager
 from kvpool.tokens import Token
 from kvpool.validation import check_index
-
-if TYPE_CHECKING:
-    from kvpool.tiers import StorageManager
 
 GPU_LEVEL = 0
 PriorityCallback = Callable[[int, int], int]
@@ -162,19 +160,19 @@ class RequestState:
         """Rewrite the page tables from the pages (their slots change when pages move)."""
         self._table.refresh()
 
-    def get_base_page_indices(self, layer_group_id: int) -> npt.NDArray[np.int32]:
+    def get_base_page_indices(self, layer_group_id: SupportsIndex) -> npt.NDArray[np.int32]:
         """Slot id of each block's page in `layer_group_id` (-1 where the block has none), as a
         read-only int32 view; for an SSM layer group one entry, the live state's slot."""
         self._require_open("get_base_page_indices")
-        check_index("layer_group_id", layer_group_id, len(self._pages))
-        return self._table.base_indices(layer_group_id)
+        group = check_index("layer_group_id", layer_group_id, len(self._pages))
+        return self._table.base_indices(group)
 
-    def get_page_indices(self, layer_id: int, role: str) -> npt.NDArray[np.int32]:
+    def get_page_indices(self, layer_id: SupportsIndex, role: object) -> npt.NDArray[np.int32]:
         """Rows of `manager.page_view(layer_id, role)` for each block (-1 where none)."""
         self._require_open("get_page_indices")
         return self._table.page_indices(self._ctx.layout.placement(layer_id, role))
 
-    def pages(self, layer_group_id: int) -> list[Page | None]:
+    def pages(self, layer_group_id: SupportsIndex) -> list[Page | None]:
         """The request's pages of one layer group (for introspection and tests)."""
         return list(self._pages[layer_group_id])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import SupportsIndex
 
 from kvpool.cache.kvcache import KVCache
 from kvpool.stats import LatencyHistogram
@@ -34,7 +35,7 @@ class TimedKVCache(KVCache):
         finally:
             self._histogram("suspend").observe(time.perf_counter() - started)
 
-    def resize(self, capacity: int, history_length: int | None = None) -> bool:
+    def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
         started = time.perf_counter()
         try:
             return super().resize(capacity, history_length)
@@ -48,7 +49,7 @@ class TimedKVCache(KVCache):
         finally:
             self._histogram("commit").observe(time.perf_counter() - started)
 
-    def prefetch(self, level: int) -> bool:
+    def prefetch(self, level: SupportsIndex) -> bool:
         started = time.perf_counter()
         try:
             return super().prefetch(level)

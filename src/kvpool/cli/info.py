@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from kvpool import __version__
+from kvpool import __version__, backend_info
 from kvpool.config import (
     CacheTierConfig,
     DiskCacheTierConfig,
@@ -94,7 +94,7 @@ def info_command(args: argparse.Namespace) -> int:
     try:
         layout = manager.layout
         gpu = manager.level_storage(0).pool_groups[0].memories[0]
-        print(f"kvpool {__version__}")
+        print(f"kvpool {__version__}, backend {backend_info().describe()}")
         print(
             f"model {description}"
             + (f": {PRESETS[args.model].description}" if not args.hf_config else "")

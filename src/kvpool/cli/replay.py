@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from kvpool import backend
 from kvpool.cli.arguments import atomic_write, describe_size
 from kvpool.cli.info import build_manager, in_flag_terms, layers_of, tiers_of
 from kvpool.config import KVCacheManagerConfig, RemoteCacheTierConfig
@@ -391,6 +392,7 @@ def prefix_cache_table(
     if args.json:
         data = {
             "schema": 1,
+            "backend": backend(),
             "partial": partial,
             "setup": {"argv": command_line(args), "workload": title, "policy": args.policy},
             "notes": notes,

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, SupportsIndex
 
 from kvpool import _debug
 from kvpool.cache import CacheContext, KVCache, RequestState
@@ -24,6 +24,7 @@ from kvpool.config import (
 from kvpool.errors import LogicError
 from kvpool.events.log import KVEventLog
 from kvpool.events.naming import MEDIA
+from kvpool.events.publisher import KVEventPublisher
 from kvpool.eviction import ClassedQueue
 from kvpool.layout import KVLayout
 from kvpool.manager.invariants import check_invariants
@@ -42,9 +43,6 @@ from kvpool.validation import (
     check_index,
     fail,
 )
-
-if TYPE_CHECKING:
-    from kvpool.events.publisher import KVEventPublisher
 
 # The request shape that sizes pool groups when the config names none.
 DEFAULT_REQUEST = KVCacheDesc(capacity=2049, history_length=2048)
@@ -291,32 +289,36 @@ class ManagerCore:
         """Per pool group, the floor no level goes below."""
         return list(self._min_slots)
 
-    def get_layer_group_id(self, layer_id: int) -> int:
+    def get_layer_group_id(self, layer_id: SupportsIndex) -> int:
         group = self.layout.layer_group_of.get(layer_id) if type(layer_id) is int else None
         if group is None:
             fail("layer_id", layer_id, f"one of {sorted(self.layout.layer_group_of)}")
         return group
 
-    def get_pool_group_index(self, layer_group_id: int) -> int:
+    def get_pool_group_index(self, layer_group_id: SupportsIndex) -> int:
         check_index("layer_group_id", layer_group_id, self.layout.num_layer_groups)
         return self.layout.pool_group_of[layer_group_id]
 
-    def level_storage(self, level: int) -> LevelStorage:
-        self._require_open()
-        return self._levels[check_index("level", level, len(self._levels))]
+    def level_storage(self, level: SupportsIndex) -> LevelStorage:
+        return self._levels[self._level(level)]
 
-    def get_tier(self, level: int) -> CacheTier:
+    def _level(self, level: object) -> int:
+        """`level` checked (the manager must be open)."""
+        self._require_open()
+        return check_index("level", level, len(self._levels))
+
+    def get_tier(self, level: SupportsIndex) -> CacheTier:
         return self.level_storage(level).tier
 
-    def get_quota(self, level: int) -> int:
+    def get_quota(self, level: SupportsIndex) -> int:
         """The level's byte budget; its pools use at most this much."""
         return self.level_storage(level).quota
 
-    def get_slot_counts(self, level: int) -> list[int]:
+    def get_slot_counts(self, level: SupportsIndex) -> list[int]:
         """Slots per pool group at `level`."""
         return self.level_storage(level).slot_counts
 
-    def page_view(self, layer_id: int, role: str) -> Any:
+    def page_view(self, layer_id: SupportsIndex, role: object) -> Any:
         """Writable uint8 array [num_pages, page_bytes] over one buffer's GPU-level memory
         (numpy; a torch tensor for CUDA memory). Rows are what `get_page_indices` returns.
         Re-fetch after anything that resizes pools."""
@@ -324,9 +326,10 @@ class ManagerCore:
         pool = self.level_storage(0).pool_groups[placement.pool_group].pool_view(placement.pool)
         return pool.reshape(-1, placement.size)
 
-    def get_storage_statistics(self, level: int) -> list[StorageStatistics]:
+    def get_storage_statistics(self, level: SupportsIndex) -> list[StorageStatistics]:
         """Per pool group at `level`: slot sizes, total, free, evictable, available, unavailable."""
-        storage = self.level_storage(level)
+        level = self._level(level)
+        storage = self._levels[level]
         return [
             StorageStatistics(
                 slot_sizes=group.slot_sizes,
@@ -390,7 +393,7 @@ class ManagerCore:
             remote=remote,
         )
 
-    def time_calls(self, on: bool = True) -> None:
+    def time_calls(self, on: object = True) -> None:
         """Time the hot calls (create_kv_cache, probe_reuse, adjust, and resume, suspend,
         resize, commit, prefetch, close of requests created from now on) into `stats().calls`.
         Off by default: then they cost nothing."""
@@ -418,7 +421,7 @@ class ManagerCore:
         when `timeout` seconds pass first. True at once without a remote tier."""
         return True if self._remote is None else self._remote.flush(timeout)
 
-    def record_decisions(self, on: bool = True) -> None:
+    def record_decisions(self, on: object = True) -> None:
         """Start (or stop) recording the decisions replicated managers must agree on and that
         their return values and statistics do not show: which prefix each new request reused,
         which pages eviction dropped or moved (by slot id), each re-split. For

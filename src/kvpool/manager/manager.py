@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import SupportsIndex, cast
 
 from kvpool.cache import KVCache, PriorityCallback
 from kvpool.config import (
@@ -29,11 +30,11 @@ class KVCacheManager(Rebalancing):
 
     def create_kv_cache(
         self,
-        reuse_scope: ReuseScope | None = None,
+        reuse_scope: object = None,
         input_tokens: Sequence[Token] | None = None,
-        id: int | None = None,
+        id: SupportsIndex | None = None,
         priority_callback: PriorityCallback | None = None,
-        exclude_from_stats: bool = False,
+        exclude_from_stats: object = False,
     ) -> KVCache:
         """A new request, SUSPENDED, already holding the longest reusable prefix of
         `input_tokens` (`num_committed_tokens == history_length == capacity ==` its length).
@@ -44,14 +45,13 @@ class KVCacheManager(Rebalancing):
         scope_key = root_key(reuse_scope)
         id = self._new_id(id)
         check_callable("priority_callback", priority_callback)
-        check_bool("exclude_from_stats", exclude_from_stats)
+        exclude = check_bool("exclude_from_stats", exclude_from_stats)
         tokens = [] if input_tokens is None else token_list("input_tokens", input_tokens)
         match, prefix = self._match(scope_key, tokens)
         if self._kv_events is not None and scope_key not in self._kv_events.scopes:
-            self._kv_events.scopes[scope_key] = reuse_scope or ReuseScope()  # (lora ids, salts)
-        cache = self._cache_class(
-            self._context, id, scope_key, priority_callback, exclude_from_stats
-        )
+            scope = cast(ReuseScope, reuse_scope or ReuseScope())  # (checked by root_key)
+            self._kv_events.scopes[scope_key] = scope  # (lora ids, salts)
+        cache = self._cache_class(self._context, id, scope_key, priority_callback, exclude)
         counters = self._counters
         counters.requests += 1
         counters.query_tokens += len(tokens)
@@ -70,7 +70,7 @@ class KVCacheManager(Rebalancing):
             self._observe("create_kv_cache", started)
         return cache
 
-    def fork_kv_cache(self, cache: KVCache, id: int | None = None) -> KVCache:
+    def fork_kv_cache(self, cache: object, id: SupportsIndex | None = None) -> KVCache:
         """A new ACTIVE request continuing `cache`'s history (ACTIVE, of this manager): the
         same lengths and committed tokens, every page shared (beam search, several samples of
         one prompt). Before either writes KV, `prepare_write` copies the page it writes into
@@ -91,7 +91,7 @@ class KVCacheManager(Rebalancing):
         self._after_call()
         return child
 
-    def _new_id(self, id: int | None) -> int:
+    def _new_id(self, id: object) -> int:
         """`id` checked, or the next free one."""
         if id is None:
             id = next(self._ids)
@@ -119,7 +119,7 @@ class KVCacheManager(Rebalancing):
                     level = page.level
             hits[level] += min(tpb, reused - index * tpb)
 
-    def probe_reuse(self, reuse_scope: ReuseScope | None, input_tokens: Sequence[Token]) -> int:
+    def probe_reuse(self, reuse_scope: object, input_tokens: Sequence[Token]) -> int:
         """How many tokens of `input_tokens` a new request would reuse now (holds nothing)."""
         self._require_open()
         scope_key = root_key(reuse_scope)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import SupportsIndex
 
 from kvpool.cache import KVCacheStatus
 from kvpool.errors import ConfigError, LogicError, OutOfPagesError
@@ -75,13 +76,14 @@ class Rebalancing(ManagerCore):
             self._observe("adjust", started)
 
     def adjust_cache_level(
-        self, level: int, ratio: Sequence[float], quota: int | None = None
+        self, level: SupportsIndex, ratio: Sequence[float], quota: SupportsIndex | None = None
     ) -> None:
         """Re-split one level (optionally with a new quota) by byte `ratio` per pool group:
         shrink the groups that lose slots first, then expand the others. A group keeps at
         least the slots of its pages that cannot leave the level (locked, or held at the last
         level), so the split moves toward the target as far as running requests allow."""
-        storage = self.level_storage(level)
+        level = self._level(level)
+        storage = self._levels[level]
         count = len(storage.pool_groups)
         allowed = f"{count} finite weights >= 0, not all 0"
         weights = check_sequence("ratio", ratio, allowed)
@@ -130,13 +132,13 @@ class Rebalancing(ManagerCore):
         if self._storage.events is not None:
             self._storage.events.append(("split", level, tuple(counts)))
 
-    def resize(self, level: int, quota: int) -> bool:
+    def resize(self, level: SupportsIndex, quota: SupportsIndex) -> bool:
         """Change a level's byte budget at run time, keeping its current split between pool
         groups. Every open request must be suspended. Shrinking pushes pages down a level (or
         drops cached ones at the last level) and compacts the rest; returns False, with nothing
         changed, when the pages that must stay (held pages at the last level) do not fit."""
-        storage = self.level_storage(level)
-        check_int("quota", quota, 1)
+        level = self._level(level)
+        storage, quota = self._levels[level], check_int("quota", quota, 1)
         active = sum(1 for cache in self._living.values() if cache.status is KVCacheStatus.ACTIVE)
         if active:
             raise LogicError(f"resize() needs every KV cache suspended; {active} are active")

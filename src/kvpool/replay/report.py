@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool import __version__
+from kvpool import __version__, backend
 from kvpool.replay.driver import ReplayReport
 
 JSON_SCHEMA = 1
@@ -170,11 +170,12 @@ def print_report(
 def report_json(
     report: ReplayReport, setup: dict[str, Any], notes: Sequence[str] = ()
 ) -> dict[str, Any]:
-    """The `--json` document: the schema version, kvpool's version, the setup (every flag, so
+    """The `--json` document: the schema version, kvpool's version and backend, the setup (every flag, so
     that the run can be repeated from the file alone), notes, and every figure."""
     return {
         "schema": JSON_SCHEMA,
         "kvpool_version": __version__,
+        "backend": backend(),
         "partial": report.partial,
         "setup": setup,
         "notes": list(notes),

@@ -21,7 +21,7 @@ owners must drop it when they release (pages do).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn, Protocol
+from typing import NoReturn, Protocol, SupportsIndex, cast
 
 import numpy as np
 
@@ -72,8 +72,8 @@ class Slot:
 class SlotAllocator:
     """Slot ids [0, capacity) of one pool group at one level, with scheduled shrink and expand."""
 
-    def __init__(self, capacity: int) -> None:
-        check_int("capacity", capacity, 0)
+    def __init__(self, capacity: SupportsIndex) -> None:
+        capacity = check_int("capacity", capacity, 0)
         self._capacity = capacity
         self._target = capacity
         self._num_active = 0
@@ -146,10 +146,10 @@ class SlotAllocator:
             )
         return self.allocate_multiple(1)[0]
 
-    def allocate_multiple(self, count: int) -> list[Slot]:
+    def allocate_multiple(self, count: SupportsIndex) -> list[Slot]:
         """`count` slots, in `allocate()` order, or `OutOfPagesError` and nothing allocated."""
         if type(count) is not int or count < 0:
-            check_int("count", count, 0)
+            count = check_int("count", count, 0)
         recycled, head = self._recycled, self._head
         available = len(recycled) - head
         if count > available and count - available > self._target - self._num_active:  # > free
@@ -182,12 +182,12 @@ class SlotAllocator:
             self.check_invariants()
         return taken
 
-    def release(self, slot: Slot, ready_event: ReadyEvent | None = None) -> None:
+    def release(self, slot: object, ready_event: ReadyEvent | None = None) -> None:
         """Return a slot. `ready_event` (or `slot.ready_event`) marks when its last use is done."""
         self.release_multiple((slot,), ready_event)
 
     def release_multiple(
-        self, slots: Sequence[Slot], ready_event: ReadyEvent | None = None
+        self, slots: Sequence[object], ready_event: ReadyEvent | None = None
     ) -> None:
         """`release` each slot; all or nothing (a bad slot raises before any is released)."""
         own = self._slots
@@ -197,7 +197,8 @@ class SlotAllocator:
         # refusal can unmark exactly the slots it marked: nothing is released then.
         mark = self._serial = self._serial + 1
         try:
-            for slot in slots:
+            for item in slots:
+                slot = cast(Slot, item)  # (a stranger raises TypeError or AttributeError)
                 if slot.released or own[slot.slot_id] is not slot:
                     self._unmark(slots, mark)
                     self._refuse_release(slot, slots)
@@ -207,6 +208,7 @@ class SlotAllocator:
         except (AttributeError, IndexError, TypeError):  # not a handle of this allocator
             self._unmark(slots, mark)
             self._refuse_release(next(s for s in slots if not self._is_own(s)), slots)
+        handles = cast(Sequence[Slot], slots)  # (every one checked)
         # File each id as recycled or overflow, in order: whether its last use is done changes
         # only whether the next owner has an event to wait on, never which id it gets.
         target, recycled = self._target, self._recycled
@@ -215,9 +217,9 @@ class SlotAllocator:
                 event = slot.ready_event
                 if event is not None and event.is_set():
                     slot.ready_event = None
-            recycled.extend(slots)
+            recycled.extend(handles)
         else:
-            for slot in slots:
+            for slot in handles:
                 if ready_event is not None:
                     slot.ready_event = ready_event
                 event = slot.ready_event
@@ -228,10 +230,10 @@ class SlotAllocator:
         if _debug.DEBUG:
             self.check_invariants()
 
-    def _unmark(self, slots: Sequence[Slot], mark: int) -> None:
+    def _unmark(self, slots: Sequence[object], mark: int) -> None:
         """Undo a refused `release_multiple`'s marks."""
         for slot in slots:
-            if self._is_own(slot) and slot.released == mark:
+            if isinstance(slot, Slot) and self._is_own(slot) and slot.released == mark:
                 slot.released = 0
 
     def _is_own(self, slot: object) -> bool:
@@ -245,7 +247,7 @@ class SlotAllocator:
             and self._slots[slot_id] is slot
         )
 
-    def _refuse_release(self, slot: Slot, slots: Sequence[Slot]) -> NoReturn:
+    def _refuse_release(self, slot: object, slots: Sequence[object]) -> NoReturn:
         if not isinstance(slot, Slot):
             raise ArgumentError(f"slot={slot!r} is invalid: must be a Slot of this allocator")
         if not self._is_own(slot):
@@ -258,12 +260,12 @@ class SlotAllocator:
 
     # -- resizing --------------------------------------------------------------------------------
 
-    def prepare_for_shrink(self, new_capacity: int) -> None:
+    def prepare_for_shrink(self, new_capacity: SupportsIndex) -> None:
         """Schedule a shrink to `new_capacity`: ids >= it are no longer issued, and free ones
         (now or when released) wait in overflow."""
         if self.shrink_in_progress:
             raise LogicError(f"a shrink to {self._target} is already in progress")
-        check_int("new_capacity", new_capacity, 0, self._capacity - 1)
+        new_capacity = check_int("new_capacity", new_capacity, 0, self._capacity - 1)
         kept: list[Slot] = []
         for slot in self._recycled[self._head :]:
             (kept if slot.slot_id < new_capacity else self._overflow).append(slot)
@@ -305,11 +307,11 @@ class SlotAllocator:
         if _debug.DEBUG:
             self.check_invariants()
 
-    def expand(self, new_capacity: int) -> None:
+    def expand(self, new_capacity: SupportsIndex) -> None:
         """Grow to `new_capacity` slots (no shrink may be in progress)."""
         if self.shrink_in_progress:
             raise LogicError(f"cannot expand while a shrink to {self._target} is in progress")
-        check_int("new_capacity", new_capacity, self._capacity + 1)
+        new_capacity = check_int("new_capacity", new_capacity, self._capacity + 1)
         self._capacity = self._target = new_capacity
         if _debug.DEBUG:
             self.check_invariants()

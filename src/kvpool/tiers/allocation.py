@@ -8,14 +8,13 @@ from collections.abc import Sequence
 
 from kvpool.records import Page
 from kvpool.storage.slots import wait_before
-from kvpool.tiers.migration import Migration
 from kvpool.tiers.planning import Plan, Planning
 
 # A full level evicts `capacity >> EVICTION_SPARE_SHIFT` pages (0.1%) more than it needs.
 EVICTION_SPARE_SHIFT = 10
 
 
-class Allocation(Planning, Migration):
+class Allocation(Planning):
     """Slots made free by cascading eviction, and pages moved up into them."""
 
     def reserve(self, level: int, counts: Sequence[int]) -> bool:

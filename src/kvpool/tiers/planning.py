@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from kvpool.errors import OutOfPagesError
 from kvpool.records import Page
-from kvpool.tiers.state import StorageState
+from kvpool.tiers.migration import Migration
 
 Credit = dict[tuple[int, int], int]
 """Slots to count as free per (level, pool group) when planning (pages about to leave them)."""
@@ -32,7 +32,7 @@ class Plan:
         self.moves = [] if moves is None else moves
 
 
-class Planning(StorageState):
+class Planning(Migration):
     """Plans of cascading eviction (reads the queues and allocators, changes nothing)."""
 
     def can_allocate(self, level: int, counts: Sequence[int], credit: Credit | None = None) -> bool:

@@ -4,15 +4,12 @@ eviction queues, the page in each occupied slot, the spare page records and the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
+from kvpool.events.log import KVEventLog
 from kvpool.eviction import EvictionQueue
 from kvpool.records import Page
 from kvpool.storage.copier import Copier
 from kvpool.storage.pools import LevelStorage
-
-if TYPE_CHECKING:
-    from kvpool.events.log import KVEventLog
 
 
 class StorageState:
