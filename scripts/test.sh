@@ -36,6 +36,10 @@ if [ "$status" -eq 0 ] && [ "$#" -eq 0 ]; then
   # again on the python backend, the reference (layers above it run on the default only).
   KVPOOL_BACKEND=python python3 -m pytest -q "${PYTHON_BACKEND_TESTS[@]}" || status=$?
 fi
+if [ "$status" -eq 0 ] && [ "$#" -eq 0 ]; then
+  # The native backend built with AddressSanitizer and UBSan, under both fuzzers (short).
+  bash scripts/sanitizer_check.sh || status=$?
+fi
 if [ "$status" -eq 5 ]; then
   echo "test.sh: pytest collected no tests; that is a failure" >&2
 fi
