@@ -5,7 +5,8 @@ the native backend is faster). (b) also checks that both found the same prefix h
 
 Benchmarks: (a) block churn, (b) the scheduler cycle (default policy), (b) with LRU, (b) with
 host and disk levels, (c) the hybrid model (benchmarks/bench_manager.py), the decode step of
-a Llama-like and a hybrid model (benchmarks/bench_decode.py).
+a Llama-like and a hybrid model (benchmarks/bench_decode.py), `adjust()` moving a pool group's
+every page and its ratio to a plain copy of the same bytes (benchmarks/bench_adjust.py).
 
 Run: python benchmarks/compare_backends.py [--rounds 3] [--num-requests 2000] [--out FILE]
 """
@@ -71,6 +72,7 @@ def main() -> None:
         str(args.num_requests),
     ]
     decode = [sys.executable, str(HERE / "bench_decode.py"), "--repeats", "1"]
+    adjust = [sys.executable, str(HERE / "bench_adjust.py"), "--runs", "3"]
     figures: dict[str, dict[str, list[float]]] = {backend: {} for backend in BACKENDS}
     hits: dict[str, set[int]] = {backend: set() for backend in BACKENDS}
     for round_ in range(args.rounds):
@@ -92,6 +94,9 @@ def main() -> None:
                 found.setdefault(f"decode step, {name}, us per request-step", []).append(
                     result["kvpool_us_per_request_step"]
                 )
+            result = run(backend, adjust, to_file=False)["medians"]
+            found.setdefault("adjust(), ms", []).append(result["adjust_ms"])
+            found.setdefault("adjust() / its copy", []).append(result["ratio_adjust_to_copy"])
         print(f"[compare_backends] round {round_ + 1} of {args.rounds} done", file=sys.stderr)
     if hits["native"] != hits["python"] or len(hits["native"]) != 1:
         sys.exit(f"compare_backends: (b) prefix hits differ: {hits}")

@@ -24,7 +24,7 @@ TRACES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "traces")
 
 def block(key: int, parent: Block | None = None, uses: int = 1, used_at: float = 0.0) -> Block:
     made = Block(key.to_bytes(32, "big"), parent, b"", TPB, [None])
-    made.uses, made.used_at = uses, used_at
+    made.uses, made.used_at = uses, int(used_at)  # (the policy's clock counts blocks)
     if parent is not None:
         assert parent.kids is None
         parent.kids = made
@@ -179,7 +179,7 @@ def test_a_page_removed_and_queued_again_goes_last_and_a_misplaced_one_is_found(
     assert queue.oldest(2) == pages
     queue.remove(pages[0])  # locked by a request, then released again
     assert pages[0].klass == 0 and not pages[0].queued
-    first.used_at = 3.0
+    first.used_at = 3
     queue.push(pages[0])
     assert queue.oldest(2) == [pages[1], pages[0]] and len(queue) == 2
     queue.check_invariants()
@@ -454,7 +454,7 @@ def random_queue(seed: int, by_age: bool) -> tuple[ClassedQueue, AgePolicy, list
         for _ in range(rng.randint(0, 8)):
             key += 1
             child = Block(key.to_bytes(32, "big"), parent, b"", TPB, [None])
-            child.uses, child.used_at = rng.randint(1, 4), float(rng.randint(0, 3))
+            child.uses, child.used_at = rng.randint(1, 4), rng.randint(0, 3)
             if parent.kids is None:
                 parent.kids = child
             elif isinstance(parent.kids, dict):

@@ -112,7 +112,7 @@ def _why_not_native() -> str:
         return f"partly built ({len(missing)} compiled modules missing, e.g. {missing[0]})"
     stamp = PACKAGE_DIR / STAMP
     if not stamp.is_file():
-        return f"no build stamp ({STAMP}): cannot tell whether the compiled modules are current"
+        return f"not built: its last build did not finish (no {STAMP} beside the compiled modules)"
     if stamp.read_text().strip() != sources_digest():
         return "stale: the sources changed since it was built (rebuild: pip install -e .)"
     try:

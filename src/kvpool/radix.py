@@ -250,15 +250,15 @@ class RadixTree:
     def detach(self, page: Page) -> None:
         """Unlink a page from its block, which keeps its place in the tree."""
         block = page.block
-        assert block is not None and block[page.layer_group] is page
+        assert block is not None and block.pages[page.layer_group] is page
         if self.kv_events is not None:
             self.kv_events.removed(block, page.layer_group, page.level)
-        block[page.layer_group] = None
+        block.pages[page.layer_group] = None
         page.block = None
 
     def attach(self, block: Block, page: Page) -> None:
-        assert block[page.layer_group] is None and page.block is None
-        block[page.layer_group] = page
+        assert block.pages[page.layer_group] is None and page.block is None
+        block.pages[page.layer_group] = page
         page.block = block
         if self.kv_events is not None:
             self.kv_events.stored(block, page.layer_group, page.level)
@@ -292,10 +292,10 @@ class RadixTree:
             if block is None:
                 continue
             group = page.layer_group
-            assert block[group] is page
+            assert block.pages[group] is page
             if events is not None:
                 events.removed(block, group, page.level)
-            block[group] = None
+            block.pages[group] = None
             page.block = None
             if block.ordinal >= anchors[group]:
                 self._prune_upwards(block)
@@ -362,12 +362,12 @@ class RadixTree:
         """Detach every page `block` still has (it is leaving the tree): they go to `orphans`,
         and what the block was, once per page, to `lost` (if given)."""
         events = self.kv_events
-        for group, page in enumerate(block):
+        for group, page in enumerate(block.pages):
             if page is not None:
                 if events is not None:
                     events.removed(block, group, page.level)
                 page.block = None
-                block[group] = None
+                block.pages[group] = None
                 orphans.append(page)
                 if lost is not None:
                     lost.append(lost_block(block, self._tokens_per_block))
@@ -422,6 +422,6 @@ def _ssm_endpoint(blocks: list[Block], group: int, length: int, tpb: int) -> int
     for index in range(-(-length // tpb) - 1, -1, -1):
         block = blocks[index]
         end = index * tpb + block.num_tokens
-        if end <= length and block[group] is not None:
+        if end <= length and block.pages[group] is not None:
             return end
     return 0

@@ -14,10 +14,9 @@ Likewise the tree reuses Block objects that left it: requests keep block keys, n
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from enum import Enum
 from typing import NamedTuple
-
-from mypy_extensions import mypyc_attr
 
 from kvpool.storage.slots import Slot
 from kvpool.tokens import Token, decode_tokens
@@ -89,13 +88,14 @@ class Page:
         )
 
 
-@mypyc_attr(native_class=False)
-class Block(list["Page | None"]):
+class Block:
     """One committed block: full (`tokens_per_block` tokens) or a partial tail (fewer, a leaf).
 
-    A block is the list of its pages: `block[g]` is its page for layer group `g`, or None
-    (never stored, or dropped). (A list subclass, so that a block is one object for the garbage
-    collector rather than two; blocks compare and hash by identity.) `data` is the block's
+    `pages[g]` is its page for layer group `g`, or None (never stored, or dropped); `block[g]`
+    reads and writes it too. (A plain class holding the list rather than a list subclass: the
+    native backend compiles a plain class into a C struct, whose attributes the hot path reads
+    without a dictionary lookup; a compiled class cannot subclass list.) Blocks compare and
+    hash by identity. `data` is the block's
     tokens as `encode_tokens` writes them (bytes: nothing for the collector to track). `kids` is
     None for a leaf, the child itself when there is one (most blocks of a chain), or a dict
     key -> child when there are several.
@@ -110,12 +110,12 @@ class Block(list["Page | None"]):
         "num_partial_children",
         "num_tokens",
         "ordinal",
+        "pages",
         "parent",
         "scope",
         "used_at",
         "uses",
     )
-    __hash__ = object.__hash__  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -125,7 +125,7 @@ class Block(list["Page | None"]):
         num_tokens: int,
         no_pages: list[None],
     ) -> None:
-        super().__init__(no_pages)
+        self.pages: list[Page | None] = list(no_pages)
         self.key = key
         self.parent = parent
         self.data = data
@@ -140,11 +140,17 @@ class Block(list["Page | None"]):
         self.num_partial_children = 0  # children with fewer tokens than a block
         self.in_tree = True
 
-    def __eq__(self, other: object) -> bool:
-        return self is other
+    def __getitem__(self, layer_group: int) -> Page | None:
+        return self.pages[layer_group]
 
-    def __ne__(self, other: object) -> bool:
-        return self is not other
+    def __setitem__(self, layer_group: int, page: Page | None) -> None:
+        self.pages[layer_group] = page
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def __iter__(self) -> Iterator[Page | None]:
+        return iter(self.pages)
 
     def __bool__(self) -> bool:
         return True

@@ -147,11 +147,11 @@ class Commits(RequestState):
                 page = pages[index] if index < len(pages) else None
                 if page is None or page.block is not None:
                     continue
-                existing = block[g]
+                existing = block.pages[g]
                 if existing is None:
                     if priorities is not None:
                         storage.set_priority(page, priorities[block.ordinal, g])
-                    block[g] = page
+                    block.pages[g] = page
                     page.block = block
                     if attached is not None:
                         attached.append(block)
@@ -210,7 +210,7 @@ class Commits(RequestState):
         storage = self._ctx.storage
         for g, page in pages.items():
             live = self._pages[g][0]
-            if block is not None and live is not None and block[g] is None:
+            if block is not None and live is not None and block.pages[g] is None:
                 try:
                     storage.copy_pages([(live, page)])
                 except StorageError:
