@@ -57,7 +57,9 @@ class RemoteLoading(Commits):
                 storage.settle(orphan)
             for index, g, page in fetched:
                 block = blocks[index - prefix.start]
-                if block.pages[g] is None:  # (else another request committed it meanwhile: keep that)
+                if (
+                    block.pages[g] is None
+                ):  # (else another request committed it meanwhile: keep that)
                     tree.attach(block, page)
             remote.note_hit(count)
         tokens = prefix.tokens[: end * self._tpb]
