@@ -275,3 +275,50 @@ def test_prepare_write_copies_a_page_a_suspended_fork_holds_and_nothing_twice():
     for cache in (filler, a, b, c):
         cache.close()
     shutdown(m)
+
+
+def test_prepare_write_needing_two_copies_with_room_for_one_changes_nothing():
+    """A window and a full-attention layer in one pool group: the block being written is shared
+    in both, so two copies are needed. The GPU can free one slot (by pushing a held page to the
+    host's last free slot), not two. prepare_write must refuse before evicting anything: it used
+    to make room for the first copy, find none for the second and return False with that page
+    moved (found by a 100,000-operation fuzz of the hybrid layout)."""
+    layers = [record_layer(0, TPB, repeats=128), record_layer(1, TPB, window=64, repeats=128)]
+    m = manager(layers, [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(2 * MiB)])
+    assert m.layout.num_layer_groups == 2 and m.get_slot_counts(0) == [32]
+
+    def held(capacity, history=0):
+        cache = m.create_kv_cache(None, [])
+        assert cache.resume() and cache.resize(capacity)
+        if history:
+            assert cache.resize(capacity, history)
+        cache.suspend()
+        return cache
+
+    def counts(level):
+        return [(s.free, s.evictable) for s in m.get_storage_statistics(level)]
+
+    held(11 * TPB), held(5 * TPB, 5 * TPB)  # 22 + 9 held pages (the window let one go)
+    pusher = m.create_kv_cache(None, [])
+    assert pusher.resume() and pusher.resize(16 * TPB)  # pushes the 31 held pages to the host
+    pusher.close()
+    held(TPB)  # 2 held pages on the GPU: its only evictable ones
+    engine = CheckingEngine(m)
+    tokens = list(range(1, 21))
+    a = computed(m, engine, tokens)
+    b = m.fork_kv_cache(a)
+    assert a.resize(21)
+    filler = m.create_kv_cache(None, [])
+    assert filler.resume() and filler.resize(13 * TPB)
+    assert counts(0) == [(0, 2)] and counts(1) == [(1, 0)]  # room for one copy, not two
+    before = state_of(m)
+    assert not a.prepare_write(20, 21)
+    assert state_of(m) == before and counts(0) == [(0, 2)]
+    filler.close()
+    assert a.prepare_write(20, 21)  # and with room it copies both
+    assert a.pages(0)[1] is not b.pages(0)[1] and a.pages(1)[1] is not b.pages(1)[1]
+    engine.write(a, [5], 20)
+    assert a.resize(21, 21)
+    engine.check(a, [*tokens, 5])
+    engine.check(b, tokens)
+    shutdown(m)

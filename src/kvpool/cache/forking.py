@@ -19,7 +19,7 @@ from typing import SupportsIndex, cast
 
 from kvpool import _debug
 from kvpool.cache.remote_loading import RemoteLoading
-from kvpool.cache.state import ACTIVE, RequestState
+from kvpool.cache.state import ACTIVE, GPU_LEVEL, RequestState
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
 from kvpool.records import Page
 
@@ -57,6 +57,15 @@ class Forking(RemoteLoading):
         if not shared:
             return True
         storage = self._ctx.storage
+        # Make room for every copy first: taking them one by one, the first could evict (move
+        # or drop cached pages) before the second finds no room, and False would have changed
+        # the cache.
+        layout = self._ctx.layout
+        counts = [0] * layout.num_pool_groups
+        for g, _, _ in shared:
+            counts[layout.pool_group_of[g]] += 1
+        if not storage.reserve(GPU_LEVEL, counts):
+            return False
         private: list[Page] = []
         try:
             for g, _, _ in shared:
