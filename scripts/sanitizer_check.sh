@@ -28,9 +28,10 @@ export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$work/ubsan.supp"
 python3 -c "import kvpool, sys; i = kvpool.backend_info(); print('sanitized backend:', i.describe(), kvpool.__file__); sys.exit(i.name != 'native')"
 seeds="${KVPOOL_SANITIZER_SEEDS:-1}"
+first="${KVPOOL_SANITIZER_FIRST_SEED:-1}"
 layouts="${KVPOOL_SANITIZER_LAYOUTS:-gpu-host-disk hybrid tight}"
 modes="${KVPOOL_SANITIZER_MODES:-backends model}"
-for seed in $(seq 1 "$seeds"); do
+for seed in $(seq "$first" $((first + seeds - 1))); do
   for layout in $layouts; do
     for mode in $modes; do
       flag=(); [ "$mode" = backends ] && flag=(--backends)
