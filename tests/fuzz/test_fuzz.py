@@ -118,7 +118,7 @@ def test_the_twins_catch_a_policy_that_reads_the_process_clock(monkeypatch):
     with pytest.raises(FuzzFailure, match="twins decided differently") as caught:
         twins("gpu", 1, 1500)
     failure = caught.value
-    small = shrink(failure.layout, failure.seed, failure.ops, failure.error, 10, replay_twins)
+    small = shrink(failure.layout, failure.seed, failure.ops, failure.error, 60, replay_twins)
     assert len(small) < len(failure.ops)
     monkeypatch.undo()
     replay_twins(failure.layout, failure.seed, small)  # and the same decisions without it
