@@ -71,9 +71,15 @@ LayerConfig = AttentionLayerConfig | SsmLayerConfig
 
 @dataclass(frozen=True)
 class GpuCacheTierConfig:
-    """Level 0: accelerator memory, `quota` bytes."""
+    """Level 0: accelerator memory, `quota` bytes.
+
+    `shared_dir`: keep level 0 in host memory instead, one file per pool in this existing
+    directory (a RAM file system: /dev/shm), which other processes map by name
+    (`kvpool.storage.memory.map_shared`). For engines whose workers copy KV in and out of
+    kvpool's pages in other processes (the vLLM connector). The files go with the manager."""
 
     quota: int
+    shared_dir: str | None = None
 
     @property
     def tier(self) -> CacheTier:
@@ -333,6 +339,9 @@ class KVCacheManagerConfig:
                 _fail(name, tier_config, "tiers ordered GPU, host, disk with at most one of each")
             previous = tier
             _positive_int(f"{name}.quota", tier_config.quota)
+            shared = getattr(tier_config, "shared_dir", None)
+            if shared is not None and not (isinstance(shared, str) and os.path.isdir(shared)):
+                _fail(f"{name}.shared_dir", shared, "None or an existing directory")
             if isinstance(tier_config, DiskCacheTierConfig) and not (
                 isinstance(tier_config.path, str | os.PathLike) and os.path.isdir(tier_config.path)
             ):

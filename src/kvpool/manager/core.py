@@ -17,6 +17,7 @@ from kvpool.cache.timed import TimedKVCache
 from kvpool.config import (
     CacheTier,
     DiskCacheTierConfig,
+    GpuCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
     KVEventsConfig,
@@ -107,6 +108,9 @@ class ManagerCore:
                         if isinstance(tier_config, DiskCacheTierConfig)
                         else None,
                         quota_name=f"cache_tiers[{level}].quota",
+                        shared_dir=tier_config.shared_dir
+                        if isinstance(tier_config, GpuCacheTierConfig)
+                        else None,
                     )
                 )
         except BaseException:

@@ -8,6 +8,7 @@ its quota: the budget is ``quota // granularity`` grains.
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -15,13 +16,18 @@ from typing import Any
 
 from kvpool.config import CacheTier
 from kvpool.errors import ArgumentError, ConfigError, LogicError, StorageError
-from kvpool.storage.memory import DeviceMemory, DiskMemory, HostMemory, Memory
+from kvpool.storage.memory import DeviceMemory, DiskMemory, HostMemory, Memory, SharedHostMemory
 from kvpool.storage.slots import SlotAllocator
 
 MiB = 1 << 20
 GiB = 1 << 30
 HOST_GRANULARITY = 2 * MiB
 DISK_GRANULARITY = 2 * MiB
+
+
+def shared_pool_file(pool_group: int, pool: int) -> str:
+    """The name of a shared level's file for one pool, inside its `shared_dir`."""
+    return f"pool-{pool_group}-{pool}"
 
 
 def gpu_granularity(quota: int) -> int:
@@ -232,6 +238,7 @@ class LevelStorage:
         granularity: int | None = None,
         disk_path: str | os.PathLike[str] | None = None,
         quota_name: str = "quota",
+        shared_dir: str | None = None,
     ) -> None:
         if len(ratio) != len(slot_sizes) or len(min_slots) != len(slot_sizes):
             raise ArgumentError(
@@ -245,13 +252,15 @@ class LevelStorage:
         self.granularity = granularity or default_granularity(tier, quota)
         self.min_slots = list(min_slots)
         self._disk_path = disk_path
+        self._shared_dir = shared_dir
         counts = slot_counts_from_ratio(
             quota, slot_sizes, ratio, self.granularity, min_slots, quota_name
         )
         self.pool_groups: list[PoolGroup] = []
         try:
-            for sizes, count in zip(slot_sizes, counts, strict=True):
-                self.pool_groups.append(PoolGroup(sizes, count, self._make_memory))
+            for group, (sizes, count) in enumerate(zip(slot_sizes, counts, strict=True)):
+                make = functools.partial(self._make_memory, group)
+                self.pool_groups.append(PoolGroup(sizes, count, make))
         except BaseException as error:
             self.close()
             if not isinstance(error, StorageError):
@@ -264,9 +273,12 @@ class LevelStorage:
             )
             raise StorageError(error.errno, f"{setting}: {error.strerror}") from error
 
-    def _make_memory(self, pool: int, size: int) -> Memory:
+    def _make_memory(self, pool_group: int, pool: int, size: int) -> Memory:
         # A pool never outgrows its level's quota, so host memory reserves that much address space.
         reserve = max(size, self.quota)
+        if self._shared_dir is not None:
+            path = os.path.join(self._shared_dir, shared_pool_file(pool_group, pool))
+            return SharedHostMemory(path, size, reserve)
         if self.tier is CacheTier.GPU:
             return DeviceMemory(size, reserve)
         if self.tier is CacheTier.HOST:

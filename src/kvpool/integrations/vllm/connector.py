@@ -1,0 +1,128 @@
+"""`KVPoolConnector`: vLLM's v1 KV-connector interface over kvpool, both roles. The scheduler
+role owns kvpool's manager (`scheduler.SchedulerSide`); the worker role copies blocks
+(`worker.WorkerSide`)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata
+from kvpool.integrations.vllm.scheduler import SchedulerSide
+from kvpool.integrations.vllm.settings import ConnectorSettings, PageFormat
+from kvpool.integrations.vllm.worker import WorkerSide
+from kvpool.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.vllm")
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """kvpool's host, disk and shared tiers below vLLM's GPU prefix cache."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
+        self.page = PageFormat.from_vllm(vllm_config, kv_cache_config)
+        model_id = str(vllm_config.model_config.model)
+        config = self.page.manager_config(self.settings, "", model_id)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self.settings, self.page, str(transfer.engine_id), model_id
+            )
+        else:
+            layout = KVLayout(config.layers, config.tokens_per_block)
+            self._worker = WorkerSide(self.page, int(kv_cache_config.num_blocks), layout)
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on the worker role"
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on the scheduler role"
+        return self._worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never wrong output
+
+    # -- worker role ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolConnectorMetadata)
+        self.worker_side.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # (start_load_kv copied everything)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # (saves copy finished requests' blocks, in start_load_kv)
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_side.build_worker_meta()
+
+    # -- scheduler role ------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

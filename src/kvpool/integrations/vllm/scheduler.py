@@ -1,0 +1,226 @@
+"""The connector's scheduler side: kvpool's manager lives here and takes every decision (what
+is reused, where pages live, what is evicted); the workers only copy bytes where it says.
+
+A request's kvpool pages are locked for exactly as long as a worker may touch them:
+- a load: from the lookup (`get_num_new_matched_tokens`, which resumes a kvpool request
+  holding the prefix, so pages on disk or in the remote tier are brought to the shared level
+  then) until every worker reported the copy done (`finished_recving`);
+- a save: from `request_finished` (a kvpool request with the tokens vLLM computed, new pages
+  for the blocks kvpool lacks) until every worker reported the copy done
+  (`finished_sending`); only then are the tokens committed, so no lookup can find a page
+  before its bytes are there.
+Loads are asynchronous in vLLM's sense (the request waits for `finished_recving`): a load that
+failed is reported by the workers as load errors and vLLM recomputes those blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.config import ReuseScope
+from kvpool.errors import KVPoolError
+from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata, Transfer
+from kvpool.integrations.vllm.settings import ConnectorSettings, PageFormat
+from kvpool.manager import KVCacheManager
+
+log = logging.getLogger("kvpool.vllm")
+
+
+@dataclass
+class _Pending:
+    """A kvpool request with pages a worker reads (a load) or writes (a save)."""
+
+    cache: Any  # kvpool.KVCache
+    tokens: list[int]  # a save: what to commit once the bytes are there
+    num_tokens: int  # a load: tokens it serves
+    in_flight: bool = False  # the copy was handed to the workers
+    orphaned: bool = False  # vLLM finished the request meanwhile
+
+
+@dataclass
+class ConnectorCounters:
+    """What the connector did, for logs and metrics."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    loaded_blocks: int = 0
+    saved_blocks: int = 0
+    skipped_saves: int = 0  # no room at kvpool's first level
+    failed_saves: int = 0  # a worker could not write the pages: not committed
+    load_failures: int = 0  # lookups that could not bring their pages up (a read error)
+
+
+def shared_dir_for(settings: ConnectorSettings, engine_id: str) -> str:
+    return os.path.join(settings.shared_dir, f"kvpool-vllm-{engine_id}")
+
+
+def reuse_scope(request: Any) -> ReuseScope:
+    """vLLM's prefix-cache scoping: the LoRA adapter and the request's cache salt."""
+    lora = getattr(request, "lora_request", None)
+    return ReuseScope(
+        lora_id=None if lora is None else int(lora.lora_int_id), salt=request.cache_salt
+    )
+
+
+def reusable(request: Any) -> bool:
+    """Token ids say everything about the request's KV (no images, no prompt embeddings)."""
+    return (
+        not getattr(request, "mm_features", None)
+        and getattr(request, "prompt_embeds", None) is None
+    )
+
+
+class SchedulerSide:
+    def __init__(
+        self, settings: ConnectorSettings, page: PageFormat, engine_id: str, model_id: str
+    ):
+        self.page = page
+        self.block_size = page.block_size
+        self.shared_dir = shared_dir_for(settings, engine_id)
+        os.makedirs(self.shared_dir, exist_ok=True)
+        try:
+            self.manager = KVCacheManager(page.manager_config(settings, self.shared_dir, model_id))
+        except BaseException:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)
+            raise
+        self.loads: dict[str, _Pending] = {}
+        self.saves: dict[str, _Pending] = {}
+        self._load_transfers: list[Transfer] = []
+        self._save_transfers: list[Transfer] = []
+        self.counters = ConnectorCounters()
+
+    # -- loads ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        pending = self.loads.get(request.request_id)
+        if pending is None:
+            if not reusable(request):
+                return 0, False
+            pending = self._lookup(request)
+            if pending is None:
+                return 0, False
+        if pending.in_flight:  # (asked again while its load runs: nothing new)
+            return 0, False
+        if pending.num_tokens <= num_computed_tokens:
+            self._release_load(request.request_id)
+            return 0, False
+        return pending.num_tokens - num_computed_tokens, True
+
+    def _lookup(self, request: Any) -> _Pending | None:
+        """A resumed kvpool request holding the prefix vLLM may load, or None."""
+        tokens = list(request.all_token_ids)
+        usable = (len(tokens) - 1) // self.block_size * self.block_size  # vLLM computes the last
+        if usable <= 0:
+            return None
+        self.counters.lookups += 1
+        scope = reuse_scope(request)
+        if self.manager.probe_reuse(scope, tokens[:usable]) < self.block_size:
+            return None
+        cache = self.manager.create_kv_cache(scope, tokens[:usable])
+        try:
+            resumed = cache.resume()
+        except KVPoolError as error:  # a disk read failed: a miss, not an engine error
+            log.warning("kvpool: cannot bring a prefix up for %s: %s", request.request_id, error)
+            self.counters.load_failures += 1
+            cache.close()
+            return None
+        served = cache.num_committed_tokens // self.block_size * self.block_size
+        if not resumed or served == 0:
+            cache.close()
+            return None
+        pending = _Pending(cache, [], served)
+        self.loads[request.request_id] = pending
+        self.counters.hit_tokens += served
+        return pending
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        pending = self.loads.get(request.request_id)
+        if pending is None or pending.in_flight:
+            return
+        if num_external_tokens == 0:
+            self._release_load(request.request_id)
+            return
+        first = (pending.num_tokens - num_external_tokens) // self.block_size
+        last = pending.num_tokens // self.block_size
+        block_ids = list(blocks.get_block_ids()[0][first:last])
+        slots = [int(s) for s in pending.cache.get_base_page_indices(0)[first:last]]
+        self._load_transfers.append(Transfer(request.request_id, block_ids, slots))
+        self.counters.loaded_blocks += len(block_ids)
+        pending.in_flight = True
+
+    def _release_load(self, request_id: str) -> None:
+        pending = self.loads.pop(request_id, None)
+        if pending is not None:
+            pending.cache.close()
+
+    # -- saves ---------------------------------------------------------------------------
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        request_id = request.request_id
+        load = self.loads.get(request_id)
+        if load is not None:
+            if load.in_flight:
+                load.orphaned = True  # closed when the workers report the copy
+            else:
+                self._release_load(request_id)
+        if not reusable(request):
+            return False, None
+        num_blocks = min(request.num_computed_tokens // self.block_size, len(block_ids))
+        if num_blocks == 0 or request_id in self.saves:
+            return False, None
+        tokens = list(request.all_token_ids[: num_blocks * self.block_size])
+        scope = reuse_scope(request)
+        if self.manager.probe_reuse(scope, tokens) >= len(tokens):
+            return False, None  # kvpool has all of it (at some level)
+        cache = self.manager.create_kv_cache(scope, tokens)
+        first = cache.num_committed_tokens // self.block_size
+        try:
+            room = cache.resume() and cache.resize(len(tokens))
+        except KVPoolError as error:
+            log.warning("kvpool: not saving %s: %s", request_id, error)
+            room = False
+        if not room:
+            self.counters.skipped_saves += 1
+            cache.close()
+            return False, None
+        slots = [int(s) for s in cache.get_base_page_indices(0)[first:num_blocks]]
+        self._save_transfers.append(Transfer(request_id, list(block_ids[first:num_blocks]), slots))
+        self.saves[request_id] = _Pending(cache, tokens, len(tokens), in_flight=True)
+        return True, None
+
+    # -- each step -----------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> KVPoolConnectorMetadata:
+        meta = KVPoolConnectorMetadata(self.shared_dir, self._save_transfers, self._load_transfers)
+        self._save_transfers, self._load_transfers = [], []
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        for request_id in output.finished_recving or ():
+            self._release_load(request_id)
+        failed = getattr(output.kv_connector_worker_meta, "failed_saves", set())
+        for request_id in output.finished_sending or ():
+            pending = self.saves.pop(request_id, None)
+            if pending is None:
+                continue
+            try:
+                if request_id in failed:  # some worker's bytes are missing: commit nothing
+                    self.counters.failed_saves += 1
+                else:
+                    pending.cache.commit(pending.tokens)
+                    self.counters.saved_blocks += len(pending.tokens) // self.block_size
+            finally:
+                pending.cache.close()
+
+    def shutdown(self) -> None:
+        for pending in [*self.loads.values(), *self.saves.values()]:
+            pending.cache.close()
+        self.loads.clear()
+        self.saves.clear()
+        self.manager.shutdown()
+        shutil.rmtree(self.shared_dir, ignore_errors=True)
