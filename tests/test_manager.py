@@ -187,3 +187,30 @@ def test_a_level_of_a_million_slots_makes_no_object_per_slot():
     assert len(m._storage.allocators[0][0]._slots) == 100
     cache.close()
     shutdown(m)
+
+
+def test_level_zero_in_shared_memory_lives_in_files_that_go_with_the_manager(tmp_path):
+    from kvpool.storage.memory import map_shared
+
+    config = make_config(tiers=[GpuCacheTierConfig(4 * MiB, shared_dir=str(tmp_path))])
+    m = KVCacheManager(config)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == [f"pool-0-{i}" for i in range(len(m.layout.pool_groups[0].slot_sizes))]
+    cache = m.create_kv_cache(None, [])
+    assert cache.resume() and cache.resize(m.tokens_per_block)
+    row = int(cache.get_page_indices(0, "k")[0])
+    view = m.page_view(0, "k")
+    view[row] = 42  # what an engine writes in this process ...
+    placement = m.layout.placement(0, "k")
+    shared = map_shared(tmp_path / f"pool-0-{placement.pool}")  # ... another process sees
+    assert (shared.reshape(-1, placement.size)[row] == 42).all()
+    cache.close()
+    del view, shared
+    shutdown(m)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shared_dir_must_be_an_existing_directory(tmp_path):
+    config = make_config(tiers=[GpuCacheTierConfig(4 * MiB, shared_dir=str(tmp_path / "no"))])
+    with pytest.raises(ConfigError, match=r"cache_tiers\[0\]\.shared_dir"):
+        KVCacheManager(config)

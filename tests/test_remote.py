@@ -21,6 +21,7 @@ from kvpool import (
     ReuseScope,
     SsmLayerConfig,
     StorageError,
+    ArgumentError,
 )
 from kvpool.remote.values import HEADER_BYTES, KEY_PREFIX
 from kvpool.tokens import root_key
@@ -117,6 +118,41 @@ def remote_keys(server):
 
 
 # -- write-back and reuse ------------------------------------------------------------------------
+
+
+def test_write_remote_sends_committed_blocks_at_once_and_another_manager_reuses_them(
+    server, managers
+):
+    a, engine_a = managers(server.url)
+    tokens = prompt_of(1, 4)
+    cache = a.create_kv_cache(None, [])
+    assert cache.resume()
+    assert engine_a.step(cache, tokens, tokens)  # writes each block's records, commits them
+    assert a.num_dropped_pages == 0 and a.remote_statistics().written_values == 0
+    assert a.write_remote(cache, first_block=1) == 3  # blocks 1..3 (block 0 left out)
+    assert a.flush_remote_writes(10)
+    assert a.remote_statistics().written_values == 3
+    assert a.write_remote(cache) == 4 and a.flush_remote_writes(10)
+    cache.close()
+    with pytest.raises(ArgumentError, match="cache"):
+        a.write_remote(cache)
+
+    b, engine_b = managers(server.url)  # nothing local: the four blocks come from the server
+    assert compute(b, engine_b, tokens + [7]) == 4 * TPB  # (their records checked by b)
+
+
+def test_write_remote_without_a_remote_tier_writes_nothing():
+    m = KVCacheManager(
+        make_config(layers=FULL, tokens_per_block=TPB, tiers=[GpuCacheTierConfig(2 * MiB)])
+    )
+    cache = m.create_kv_cache(None, [])
+    assert cache.resume() and cache.resize(TPB)
+    cache.commit(list(range(TPB)))
+    assert m.write_remote(cache) == 0
+    with pytest.raises(ArgumentError, match="first_block"):
+        m.write_remote(cache, first_block=-1)
+    cache.close()
+    shutdown(m)
 
 
 def test_blocks_dropped_from_the_last_level_are_reused_by_another_manager(server, managers):

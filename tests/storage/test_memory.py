@@ -6,6 +6,7 @@ import errno
 import mmap
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -295,3 +296,47 @@ def test_device_memory_on_cuda():
     memory.resize(16)
     assert memory.read(10, 6).tobytes() == b"device"
     memory.close()
+
+
+# -- shared host memory (a level other processes map: the vLLM connector's workers) -----------
+
+
+def test_shared_memory_is_seen_and_written_by_another_process(tmp_path):
+    from kvpool.storage.memory import SharedHostMemory
+
+    memory = SharedHostMemory(tmp_path / "pool", 2 * MiB, 4 * MiB)
+    memory.write(MiB, bytes(range(256)) * 4)
+    script = (
+        "import sys; from kvpool.storage.memory import map_shared\n"
+        "a = map_shared(sys.argv[1])\n"
+        "assert a.size == 4 << 20, a.size\n"
+        "assert bytes(a[(1 << 20) : (1 << 20) + 4]) == bytes([0, 1, 2, 3])\n"
+        "a[5] = 77\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "pool")], check=True)
+    assert memory.read(5, 1)[0] == 77  # the other process's write, through the mapping
+    memory.resize(4 * MiB)  # within the reservation: addresses stay
+    assert memory.read(MiB, 4).tolist() == [0, 1, 2, 3]
+    memory.resize(MiB // 2)  # the file's pages past the cut go back (MADV_REMOVE)
+    assert memory.read(5, 1)[0] == 77
+    memory.close()
+    assert not (tmp_path / "pool").exists()
+
+
+def test_shared_memory_refuses_to_grow_past_its_file_and_keeps_its_data(tmp_path):
+    from kvpool.storage.memory import SharedHostMemory
+
+    memory = SharedHostMemory(tmp_path / "pool", MiB, MiB)
+    memory.write(0, b"kept")
+    with pytest.raises(StorageError, match="cannot grow past") as error:
+        memory.resize(2 * MiB)
+    assert error.value.errno == errno.EFBIG
+    assert memory.size == MiB and bytes(memory.read(0, 4)) == b"kept"
+    memory.close()
+
+
+def test_shared_memory_in_a_missing_directory_is_a_clear_error(tmp_path):
+    from kvpool.storage.memory import SharedHostMemory
+
+    with pytest.raises(StorageError, match="cannot create shared memory file"):
+        SharedHostMemory(tmp_path / "missing" / "pool", MiB)

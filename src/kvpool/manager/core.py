@@ -186,7 +186,7 @@ class ManagerCore:
         """`RadixTree.remove_pages`, writing what is lost to the remote tier if there is one."""
         if self._remote is None:
             return self._tree.remove_pages(pages)
-        tpb, storage = self.tokens_per_block, self._storage
+        tpb = self.tokens_per_block
         items: list[tuple[LostBlock, Page]] = []
         for page in pages:
             block = page.block
@@ -204,12 +204,16 @@ class ManagerCore:
                 if lost is not None and id(page) not in dropped
             ]
         if items:
-            queued = self._remote.write_back(items, storage.read_page)
-            if self._kv_events is not None and queued:
-                self._kv_events.written_remote(
-                    [(items[i][0], items[i][1].layer_group) for i in queued]
-                )
+            self._write_remote(items)
         return orphans
+
+    def _write_remote(self, items: list[tuple[LostBlock, Page]]) -> int:
+        """Queue pages of committed full blocks for the remote tier; how many were queued."""
+        assert self._remote is not None
+        queued = self._remote.write_back(items, self._storage.read_page)
+        if self._kv_events is not None and queued:
+            self._kv_events.written_remote([(items[i][0], items[i][1].layer_group) for i in queued])
+        return len(queued)
 
     def _start_kv_events(self, config: KVEventsConfig) -> None:
         from kvpool.events.publisher import KVEventPublisher

@@ -14,12 +14,14 @@ from kvpool.config import (
 )
 from kvpool.errors import ArgumentError, LogicError
 from kvpool.manager.rebalancing import Rebalancing
-from kvpool.radix import Match
+from kvpool.radix import Match, lost_block
+from kvpool.records import LostBlock, Page
 from kvpool.remote import RemotePrefix
 from kvpool.tokens import Token, root_key
 from kvpool.validation import (
     check_bool,
     check_callable,
+    check_int,
     fail,
     token_list,
 )
@@ -145,6 +147,29 @@ class KVCacheManager(Rebalancing):
         if prefix is None or prefix.end * tpb <= match.num_tokens:
             return match, None
         return aligned, prefix
+
+    def write_remote(self, cache: object, first_block: SupportsIndex = 0) -> int:
+        """Write `cache`'s committed full blocks from `first_block` on to the remote tier now
+        (write-through), not only when the local levels drop them, so that other instances
+        find them at once. Their KV must be in the pages already (they are read now, and sent
+        by the writer thread). Returns the pages queued; 0 without a remote tier."""
+        self._require_open()
+        if not isinstance(cache, KVCache) or self._living.get(cache.id) is not cache:
+            fail("cache", cache, "an open KV cache of this manager")
+        first = check_int("first_block", first_block, 0)
+        if self._remote is None:
+            return 0
+        tpb = self.tokens_per_block
+        end = (cache.num_committed_tokens - cache.pending_remote_tokens) // tpb
+        items: list[tuple[LostBlock, Page]] = []
+        for pages in cache._pages:
+            for page in pages[first:end]:
+                block = None if page is None else page.block
+                if page is not None and block is not None and block.num_tokens == tpb:
+                    lost = lost_block(block, tpb)
+                    if lost is not None:
+                        items.append((lost, page))
+        return self._write_remote(items) if items else 0
 
     @property
     def num_open_kv_caches(self) -> int:

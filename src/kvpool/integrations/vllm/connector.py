@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.vllm")
 
 
-class KVPoolConnector(KVConnectorBase_V1):
+class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """kvpool's host, disk and shared tiers below vLLM's GPU prefix cache."""
 
     _cache_hit_source = CacheHitSource.HOST

