@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvpool import (
+    ArgumentError,
     BufferConfig,
     ConfigError,
     GpuCacheTierConfig,
@@ -21,7 +22,6 @@ from kvpool import (
     ReuseScope,
     SsmLayerConfig,
     StorageError,
-    ArgumentError,
 )
 from kvpool.remote.values import HEADER_BYTES, KEY_PREFIX
 from kvpool.tokens import root_key
