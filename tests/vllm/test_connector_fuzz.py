@@ -242,6 +242,12 @@ def test_random_streams_never_load_wrong_kv_and_leave_nothing_behind(seed, tmp_p
     assert simulation.failed_loads > 0 and counters.failed_saves > 0
     assert counters.hit_tokens_by_tier["disk"] > 0
     assert counters.saved_blocks > 50
+    # (what vLLM's metrics get: the copies' bytes and the failed loads' blocks)
+    counts = simulation.worker.counts
+    assert counts["bytes_loaded"] >= simulation.verified_blocks * 2 * 2 * PAGE.buffer_bytes
+    assert counts["bytes_saved"] >= counters.saved_blocks * 2 * 2 * PAGE.buffer_bytes
+    assert counts["load_errors"] > 0
+    assert simulation.scheduler.counts()["hit_tokens_disk"] == counters.hit_tokens_by_tier["disk"]
     simulation.scheduler.shutdown()
 
 

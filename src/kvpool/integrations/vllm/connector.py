@@ -14,9 +14,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata
+from kvpool.integrations.vllm.metrics import Deltas, KVPoolConnectorStats, KVPoolPromMetrics
 from kvpool.integrations.vllm.scheduler import SchedulerSide
 from kvpool.integrations.vllm.settings import ConnectorSettings, PageFormat
 from kvpool.integrations.vllm.worker import WorkerSide
@@ -48,6 +53,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.page = PageFormat.from_vllm(vllm_config, kv_cache_config)
         model_id = str(vllm_config.model_config.model)
         config = self.page.manager_config(self.settings, "", model_id)
+        self._deltas = Deltas()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -100,6 +106,27 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self.worker_side.build_worker_meta()
+
+    # -- both roles ----------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's counts since the last call (vLLM adds the workers' and the scheduler's)."""
+        if self._scheduler is not None:
+            return self._deltas.take(self._scheduler.counts())
+        return self._deltas.take(dict(self.worker_side.counts))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVPoolConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler role ------------------------------------------------------------------
     def get_num_new_matched_tokens(

@@ -236,6 +236,19 @@ class SchedulerSide:
             finally:
                 pending.cache.close()
 
+    def counts(self) -> dict[str, int]:
+        """The counters vLLM's metrics report (`metrics.KEYS`)."""
+        counters = self.counters
+        return {
+            "lookups": counters.lookups,
+            "loaded_blocks": counters.loaded_blocks,
+            "saved_blocks": counters.saved_blocks,
+            "skipped_saves": counters.skipped_saves,
+            "failed_saves": counters.failed_saves,
+            "load_failures": counters.load_failures,
+            **{f"hit_tokens_{tier}": n for tier, n in counters.hit_tokens_by_tier.items()},
+        }
+
     def statistics(self) -> dict[str, Any]:
         """The connector's counters, kvpool's hits per level and the remote tier's counters."""
         stats = self.manager.stats()

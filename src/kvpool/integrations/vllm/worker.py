@@ -68,6 +68,9 @@ class WorkerSide:
         self._recving: set[str] = set()
         self._failed_saves: set[str] = set()
         self._load_errors: set[int] = set()
+        self.counts = {"load_errors": 0, "bytes_loaded": 0, "bytes_saved": 0}
+        # bytes one block of every layer is, for this rank's heads
+        self._block_bytes = 2 * len(page.layer_names) * page.buffer_bytes // page.tp_size
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [name for name in self.page.layer_names if name not in kv_caches]
@@ -112,6 +115,7 @@ class WorkerSide:
         for transfer in meta.saves:
             try:
                 self._copy(transfer, save=True)
+                self.counts["bytes_saved"] += len(transfer.block_ids) * self._block_bytes
             except Exception:
                 log.exception("kvpool: saving %s failed", transfer.request_id)
                 self._failed_saves.add(transfer.request_id)
@@ -119,9 +123,11 @@ class WorkerSide:
         for transfer in meta.loads:
             try:
                 self._copy(transfer, save=False)
+                self.counts["bytes_loaded"] += len(transfer.block_ids) * self._block_bytes
             except Exception:
                 log.exception("kvpool: loading %s failed; vLLM recomputes it", transfer.request_id)
                 self._load_errors.update(transfer.block_ids)
+                self.counts["load_errors"] += len(transfer.block_ids)
             self._recving.add(transfer.request_id)
 
     def _copy(self, transfer: Transfer, save: bool) -> None:
