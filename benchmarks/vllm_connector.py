@@ -22,6 +22,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], detokenize=False)
     messages = spec["workload"]
     histories: list[list[int]] = [[] for _ in messages]
-    ttfts, outputs, cached, prompt_tokens = [], [], 0, 0
+    ttfts, walls, outputs, cached, prompt_tokens = [], [], [], 0, 0
     started = time.perf_counter()
     for turn in range(len(messages[0])):
         for c, conversation in enumerate(messages):
@@ -79,6 +80,7 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
             metrics = out.metrics
             ttft = getattr(metrics, "first_token_latency", 0.0) if metrics is not None else 0.0
             ttfts.append(ttft if ttft > 0 else wall)
+            walls.append(wall)
             tokens = list(out.outputs[0].token_ids)
             outputs.append(tokens)
             cached += out.num_cached_tokens or 0
@@ -90,6 +92,8 @@ def serve(spec: dict[str, Any]) -> dict[str, Any]:
         "ttft_median_ms": 1000 * statistics.median(ttfts),
         "ttft_mean_ms": 1000 * statistics.fmean(ttfts),
         "total_s": total,
+        "wall_median_ms": 1000 * statistics.median(walls),
+        "ttft_from_vllm": all(t != w for t, w in zip(ttfts, walls, strict=True)),
         "cached_tokens": cached,
         "prompt_tokens": prompt_tokens,
         "outputs": outputs,
@@ -219,7 +223,6 @@ def main() -> None:
     longest = args.first + (args.turns - 1) * (args.per_turn + args.max_tokens) + args.max_tokens
     host = args.host_mib << 20
     (work / "disk").mkdir()
-    (work / "files").mkdir()
     valkey = start_valkey(work)
     rows: list[tuple[str, dict[str, Any] | None, str]] = [
         ("vLLM alone", None, ""),
@@ -270,6 +273,8 @@ def main() -> None:
                     continue
                 if valkey is not None and "remote_url" in str(transfer):
                     valkey.client().flushall()  # (each run starts with an empty server)
+                shutil.rmtree(work / "files", ignore_errors=True)  # (and no files)
+                (work / "files").mkdir()
                 spec = {
                     "model": str(work / "model"),
                     "kv_transfer_config": transfer,
