@@ -19,7 +19,7 @@ class Transfer:
 
 @dataclass
 class KVPoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """One step's work: `saves` (vLLM -> kvpool) run before `loads` (kvpool -> vLLM)."""
+    """One step's work: `saves` (vLLM -> kvpool) and `loads` (kvpool -> vLLM)."""
 
     shared_dir: str
     saves: list[Transfer] = field(default_factory=list)

@@ -40,7 +40,6 @@ class _Pending:
     num_tokens: int  # a load: tokens it serves; a save: all its tokens
     first_block: int = 0  # a save: its first new block (the ones before were kvpool's)
     in_flight: bool = False  # the copy was handed to the workers
-    orphaned: bool = False  # vLLM finished the request meanwhile
 
 
 @dataclasses.dataclass
@@ -181,9 +180,8 @@ class SchedulerSide:
         request_id = request.request_id
         load = self.loads.get(request_id)
         if load is not None:
-            if load.in_flight:  # (vLLM keeps the blocks until the workers report the copy)
-                load.orphaned = True
-                return False, None  # its blocks may not hold their KV yet: nothing to save
+            if load.in_flight:  # closed when the workers report the copy (vLLM keeps the
+                return False, None  # blocks until then); they may not hold KV yet: no save
             self._release_load(request_id)
         if not reusable(request):
             return False, None

@@ -109,8 +109,8 @@ class WorkerSide:
         )
 
     def start_load_kv(self, meta: KVPoolConnectorMetadata) -> None:
-        """Every copy of this step, saves first (a block saved now may be loaded in the same
-        step by another request), then loads."""
+        """Every copy of this step. (No page is both saved and loaded in one step: a save's
+        pages are committed, so found by lookups, only after every worker reported it.)"""
         self._shared_dir = meta.shared_dir
         for transfer in meta.saves:
             try:
