@@ -190,7 +190,7 @@ def test_a_level_of_a_million_slots_makes_no_object_per_slot():
 
 
 def test_level_zero_in_shared_memory_lives_in_files_that_go_with_the_manager(tmp_path):
-    from kvpool.storage.memory import map_shared
+    from kvpool.storage.shared import map_shared
 
     config = make_config(tiers=[GpuCacheTierConfig(4 * MiB, shared_dir=str(tmp_path))])
     m = KVCacheManager(config)

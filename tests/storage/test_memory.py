@@ -302,12 +302,12 @@ def test_device_memory_on_cuda():
 
 
 def test_shared_memory_is_seen_and_written_by_another_process(tmp_path):
-    from kvpool.storage.memory import SharedHostMemory
+    from kvpool.storage.shared import SharedHostMemory
 
     memory = SharedHostMemory(tmp_path / "pool", 2 * MiB, 4 * MiB)
     memory.write(MiB, bytes(range(256)) * 4)
     script = (
-        "import sys; from kvpool.storage.memory import map_shared\n"
+        "import sys; from kvpool.storage.shared import map_shared\n"
         "a = map_shared(sys.argv[1])\n"
         "assert a.size == 4 << 20, a.size\n"
         "assert bytes(a[(1 << 20) : (1 << 20) + 4]) == bytes([0, 1, 2, 3])\n"
@@ -324,7 +324,7 @@ def test_shared_memory_is_seen_and_written_by_another_process(tmp_path):
 
 
 def test_shared_memory_refuses_to_grow_past_its_file_and_keeps_its_data(tmp_path):
-    from kvpool.storage.memory import SharedHostMemory
+    from kvpool.storage.shared import SharedHostMemory
 
     memory = SharedHostMemory(tmp_path / "pool", MiB, MiB)
     memory.write(0, b"kept")
@@ -336,7 +336,7 @@ def test_shared_memory_refuses_to_grow_past_its_file_and_keeps_its_data(tmp_path
 
 
 def test_shared_memory_in_a_missing_directory_is_a_clear_error(tmp_path):
-    from kvpool.storage.memory import SharedHostMemory
+    from kvpool.storage.shared import SharedHostMemory
 
     with pytest.raises(StorageError, match="cannot create shared memory file"):
         SharedHostMemory(tmp_path / "missing" / "pool", MiB)

@@ -17,7 +17,6 @@ from kvpool.cache.timed import TimedKVCache
 from kvpool.config import (
     CacheTier,
     DiskCacheTierConfig,
-    GpuCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
     KVEventsConfig,
@@ -108,9 +107,7 @@ class ManagerCore:
                         if isinstance(tier_config, DiskCacheTierConfig)
                         else None,
                         quota_name=f"cache_tiers[{level}].quota",
-                        shared_dir=tier_config.shared_dir
-                        if isinstance(tier_config, GpuCacheTierConfig)
-                        else None,
+                        shared_dir=getattr(tier_config, "shared_dir", None),  # (GPU level)
                     )
                 )
         except BaseException:

@@ -16,18 +16,14 @@ from typing import Any
 
 from kvpool.config import CacheTier
 from kvpool.errors import ArgumentError, ConfigError, LogicError, StorageError
-from kvpool.storage.memory import DeviceMemory, DiskMemory, HostMemory, Memory, SharedHostMemory
+from kvpool.storage.memory import DeviceMemory, DiskMemory, HostMemory, Memory
+from kvpool.storage.shared import SharedHostMemory, shared_pool_file
 from kvpool.storage.slots import SlotAllocator
 
 MiB = 1 << 20
 GiB = 1 << 30
 HOST_GRANULARITY = 2 * MiB
 DISK_GRANULARITY = 2 * MiB
-
-
-def shared_pool_file(pool_group: int, pool: int) -> str:
-    """The name of a shared level's file for one pool, inside its `shared_dir`."""
-    return f"pool-{pool_group}-{pool}"
 
 
 def gpu_granularity(quota: int) -> int:

