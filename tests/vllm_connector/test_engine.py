@@ -173,3 +173,16 @@ def test_bad_extra_config_is_refused_by_name(model):
     )
     assert done.returncode != 0
     assert "kv_connector_extra_config['host_byte']" in done.stderr
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel workers need 2 cores")
+def test_tensor_parallel_workers_each_save_and_load_their_own_heads(model, tmp_path, monkeypatch):
+    # (vLLM's CPU workers each bind their threads to a core: one each)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    stats = tmp_path / "stats.json"
+    extra = {"host_bytes": 64 << 20, "stats_path": str(stats)}
+    rounds = run_engine(model, extra, ["one", "one"], tp=2)
+    # the second pass reads every layer's K and V back from pages both workers wrote into
+    assert tokens(rounds[1]) == tokens(rounds[0])
+    assert cached(rounds[1]) == [HITS] * 4
+    assert stats_of(stats)["loaded_blocks"] == 4 * HITS // BLOCK
