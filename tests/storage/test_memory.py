@@ -340,3 +340,32 @@ def test_shared_memory_in_a_missing_directory_is_a_clear_error(tmp_path):
 
     with pytest.raises(StorageError, match="cannot create shared memory file"):
         SharedHostMemory(tmp_path / "missing" / "pool", MiB)
+
+
+def test_shared_memory_without_room_is_a_clear_error_up_front_not_a_crash_later(
+    tmp_path, monkeypatch
+):
+    from kvpool.storage import shared
+    from kvpool.storage.shared import SharedHostMemory
+
+    def full(fd, offset, length):  # a RAM file system with no room left
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real = os.posix_fallocate
+    monkeypatch.setattr(shared.os, "posix_fallocate", full)
+    with pytest.raises(StorageError, match=r"cannot give 2097152 bytes .* bytes free") as error:
+        SharedHostMemory(tmp_path / "pool", 2 * MiB)
+    assert error.value.errno == errno.ENOSPC
+    assert not (tmp_path / "pool").exists()  # nothing left behind
+
+    monkeypatch.setattr(shared.os, "posix_fallocate", real)
+    memory = SharedHostMemory(tmp_path / "pool", MiB, 4 * MiB)
+    memory.write(0, b"kept")
+    monkeypatch.setattr(shared.os, "posix_fallocate", full)
+    with pytest.raises(StorageError, match="cannot give 1048576 bytes"):
+        memory.resize(2 * MiB)  # growing needs the file's memory first: refused, unchanged
+    assert memory.size == MiB and bytes(memory.read(0, 4)) == b"kept"
+    monkeypatch.setattr(shared.os, "posix_fallocate", real)
+    memory.resize(2 * MiB)
+    assert os.stat(tmp_path / "pool").st_blocks * 512 >= 2 * MiB  # allocated, not sparse
+    memory.close()
