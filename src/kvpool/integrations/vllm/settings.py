@@ -172,7 +172,7 @@ class PageFormat:
             raise ConfigError(
                 f"KVPoolConnector supports models with one KV-cache group; this one has "
                 f"{len(groups)} ({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}): "
-                "hybrid models (sliding-window + full attention, Mamba) are not supported yet"
+                "several KV-cache groups (vLLM's hybrid allocator) are not supported yet"
             )
         spec = groups[0].kv_cache_spec
         if type(spec) is not FullAttentionSpec:
