@@ -115,9 +115,14 @@ def _clock_reading_inserted(real):
 @pytest.mark.reference_only
 def test_the_twins_catch_a_policy_that_reads_the_process_clock(monkeypatch):
     monkeypatch.setattr(HazardPolicy, "inserted", _clock_reading_inserted(HazardPolicy.inserted))
-    with pytest.raises(FuzzFailure, match="twins decided differently") as caught:
-        twins("gpu", 1, 1500)
-    failure = caught.value
+    failure = None
+    for seed in (1, 2, 3):  # (the clock's noise changes a decision in most runs, not every
+        try:  # one: once in a CI run on a loaded machine, 1,500 operations of seed 1 did not)
+            twins("gpu", seed, 1500)
+        except FuzzFailure as caught:
+            failure = caught
+            break
+    assert failure is not None and "twins decided differently" in str(failure)
     small = shrink(failure.layout, failure.seed, failure.ops, failure.error, 60, replay_twins)
     assert len(small) < len(failure.ops)
     monkeypatch.undo()

@@ -186,3 +186,29 @@ def test_tensor_parallel_workers_each_save_and_load_their_own_heads(model, tmp_p
     assert tokens(rounds[1]) == tokens(rounds[0])
     assert cached(rounds[1]) == [HITS] * 4
     assert stats_of(stats)["loaded_blocks"] == 4 * HITS // BLOCK
+
+
+def test_a_model_mixing_sliding_window_and_full_layers_runs_with_identical_tokens(tmp_path):
+    """vLLM turns its hybrid allocator off for a connector without SupportsHMA: every layer's
+    KV is kept (one group), and kvpool's hits must leave the windowed layers' outputs as they
+    were."""
+    directory = tmp_path / "gemma3"
+    config = transformers.Gemma3TextConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        vocab_size=2048,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(directory)
+    # (alone, vLLM's hybrid allocator splits its pool between the two groups: give it twice)
+    alone = run_engine(str(directory), None, ["one", "one"], num_blocks=96)
+    ours = run_engine(str(directory), {"host_bytes": 64 << 20}, ["one", "one"])
+    assert tokens(ours[0]) == tokens(alone[0]) and tokens(ours[1]) == tokens(alone[1])
+    assert cached(ours[1]) == [HITS] * 4
