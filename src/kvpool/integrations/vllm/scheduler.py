@@ -97,6 +97,7 @@ class SchedulerSide:
         self._save_transfers: list[Transfer] = []
         self.counters = ConnectorCounters()
         self.stats_path = settings.stats_path
+        self._written: dict[str, int] | None = None
         self._closed = False
 
     # -- loads ---------------------------------------------------------------------------
@@ -213,6 +214,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: Any) -> KVPoolConnectorMetadata:
         meta = KVPoolConnectorMetadata(self.shared_dir, self._save_transfers, self._load_transfers)
         self._save_transfers, self._load_transfers = [], []
+        self._write_stats()
         return meta
 
     def update_connector_output(self, output: Any) -> None:
@@ -233,6 +235,21 @@ class SchedulerSide:
                     self.manager.write_remote(pending.cache, pending.first_block)
             finally:
                 pending.cache.close()
+        self._write_stats()
+
+    def _write_stats(self, force: bool = False) -> None:
+        """`stats_path`, rewritten whenever the counts changed (an engine may be stopped
+        before its shutdown reaches the connector): replaced whole, never half-written."""
+        if self.stats_path is None:
+            return
+        counts = self.counts()
+        if counts == self._written and not force:
+            return
+        self._written = counts
+        partial = f"{self.stats_path}.partial"
+        with open(partial, "w") as file:
+            json.dump(self.statistics(), file)
+        os.replace(partial, self.stats_path)
 
     def counts(self) -> dict[str, int]:
         """The counters vLLM's metrics report (`metrics.KEYS`)."""
@@ -269,11 +286,8 @@ class SchedulerSide:
         self.saves.clear()
         try:
             self.manager.flush_remote_writes()
-            summary = self.statistics()
-            log.info("kvpool connector: %s", summary)
-            if self.stats_path is not None:
-                with open(self.stats_path, "w") as file:
-                    json.dump(summary, file)
+            log.info("kvpool connector: %s", self.statistics())
+            self._write_stats(force=True)
         finally:
             self.manager.shutdown()
             shutil.rmtree(self.shared_dir, ignore_errors=True)

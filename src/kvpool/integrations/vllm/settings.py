@@ -13,7 +13,7 @@ Keys of `kv_connector_extra_config` (all optional):
 | `eviction_policy` | `hazard`, `lru` or `lfu` | `hazard` |
 | `shared_dir` | where the first level's shared files live (a RAM file system) | `/dev/shm` |
 | `kv_events_endpoint` | ZMQ endpoint publishing kvpool's KV events | none |
-| `stats_path` | a file the scheduler side writes its counters to (JSON) at shutdown | none |
+| `stats_path` | a file the scheduler side keeps its counters in (JSON, rewritten as they change) | none |
 """
 
 from __future__ import annotations
