@@ -273,3 +273,51 @@ def test_block_view_reads_the_cpu_layout_and_refuses_unknown_ones():
     assert bool((raw.view(3, 2, 64, 64)[2, 1, 32 + 3] == -1.0).all())
     with pytest.raises(ValueError, match="does not know this KV-cache layout"):
         block_view(torch.zeros(3, 4, 32, 128), 3, page)
+
+
+def test_a_disk_read_error_at_lookup_is_a_miss_and_the_pages_survive(tmp_path, monkeypatch):
+    from kvpool.storage.copier import Copier
+    from kvpool.storage.memory import DiskMemory
+
+    simulation = Simulation(3, tmp_path, fail_rate=0.0)
+    scheduler = simulation.scheduler
+    document = simulation.documents[0]
+    first = Request("first", document[: 10 * BLOCK] + [1])
+    simulation.requests["first"] = first
+    simulation.schedule(first)
+    simulation.finish(first)
+    simulation.step()  # saved, committed
+    # push its pages to disk: other prompts fill kvpool's first level
+    for n in range(8):
+        other = Request(f"other{n}", [50_000 + n * 1000 + i for i in range(10 * BLOCK)] + [1])
+        simulation.requests[other.request_id] = other
+        simulation.schedule(other)
+        simulation.finish(other)
+        simulation.step()
+    probe = scheduler.manager.create_kv_cache(None, document[: 10 * BLOCK])
+    levels = {page.level for page in probe.pages(0) if page is not None}
+    probe.close()
+    assert levels == {1}, "the test needs the first prompt's pages on disk"
+
+    copy = Copier.copy
+
+    def failing(self, source, destination, pairs):
+        if any(isinstance(m, DiskMemory) for m in source.memories):
+            raise OSError(5, "injected disk read error")
+        return copy(self, source, destination, pairs)
+
+    monkeypatch.setattr(Copier, "copy", failing)
+    again = Request("again", document[: 10 * BLOCK] + [2])
+    assert scheduler.get_num_new_matched_tokens(again, 0) == (0, False)  # a miss, no crash
+    assert scheduler.counters.load_failures == 1 and "again" not in scheduler.loads
+    scheduler.manager.check_invariants()
+    monkeypatch.undo()
+    # the pages are still on disk, whole: the next lookup loads them and they verify
+    third = Request("third", document[: 10 * BLOCK] + [3])
+    simulation.requests["third"] = third
+    simulation.schedule(third)
+    assert third.state == "loading" and third.num_computed_tokens == 10 * BLOCK
+    before = simulation.verified_blocks
+    simulation.step()
+    assert simulation.verified_blocks == before + 10  # byte for byte what "first" computed
+    simulation.scheduler.shutdown()

@@ -132,7 +132,7 @@ class SchedulerSide:
         tiers = self._tiers_of(cache)
         try:
             resumed = cache.resume()
-        except KVPoolError as error:  # a disk read failed: a miss, not an engine error
+        except (KVPoolError, OSError) as error:  # a read failed: a miss, not an engine error
             log.warning("kvpool: cannot bring a prefix up for %s: %s", request.request_id, error)
             self.counters.load_failures += 1
             cache.close()
@@ -196,7 +196,7 @@ class SchedulerSide:
         cache = self.manager.create_kv_cache(scope, tokens)
         try:
             room = cache.resume() and cache.resize(len(tokens))
-        except KVPoolError as error:
+        except (KVPoolError, OSError) as error:
             log.warning("kvpool: not saving %s: %s", request_id, error)
             room = False
         if not room:
