@@ -61,7 +61,8 @@ class WorkerSide:
         self.num_blocks = num_blocks
         self.layout = layout
         self.views: list[torch.Tensor] = []
-        self._pools: dict[str, torch.Tensor] = {}  # file -> its bytes
+        self._pools: dict[str, torch.Tensor] = {}  # file name -> its bytes
+        self._views: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
         self._shared_dir: str | None = None
         self._sending: set[str] = set()
         self._recving: set[str] = set()
@@ -79,38 +80,40 @@ class WorkerSide:
             block_view(kv_caches[n], self.num_blocks, self.page) for n in self.page.layer_names
         ]
 
-    def _page_tensor(self, layer: int, role: str) -> torch.Tensor:
-        """[rows, heads, block_size, head_size] over the shared pool of (layer, role)."""
+    def _pages(self, layer: int, role: str) -> tuple[torch.Tensor, int, int]:
+        """[rows, heads, block_size, head_size] over the shared pool of (layer, role), and the
+        row of slot s as s * stride + offset; mapped once (the files never move or grow)."""
+        key = (layer, role)
+        found = self._views.get(key)
+        if found is not None:
+            return found
         assert self._shared_dir is not None
         placement = self.layout.placement(layer, role)
-        path = os.path.join(
-            self._shared_dir, shared_pool_file(placement.pool_group, placement.pool)
-        )
-        pool = self._pools.get(path)
+        name = shared_pool_file(placement.pool_group, placement.pool)
+        pool = self._pools.get(name)
         if pool is None:
-            pool = torch.from_numpy(map_shared(path))
-            self._pools[path] = pool
-        size = placement.size
+            pool = self._pools[name] = torch.from_numpy(
+                map_shared(os.path.join(self._shared_dir, name))
+            )
+        size, page = placement.size, self.page
         rows = pool.numel() // size
-        page = self.page
-        dtype = self.views[layer].dtype
-        return (
+        pages = (
             pool[: rows * size]
             .view(rows, size)
-            .view(dtype)
+            .view(self.views[layer].dtype)
             .view(rows, page.heads, page.block_size, page.head_size)
         )
-
-    def _rows(self, layer: int, role: str, slots: list[int]) -> torch.Tensor:
-        placement = self.layout.placement(layer, role)
-        return (
-            torch.tensor(slots, dtype=torch.long) * placement.buffers_per_slot + placement.position
-        )
+        found = (pages, placement.buffers_per_slot, placement.position)
+        self._views[key] = found
+        return found
 
     def start_load_kv(self, meta: KVPoolConnectorMetadata) -> None:
         """Every copy of this step. (No page is both saved and loaded in one step: a save's
         pages are committed, so found by lookups, only after every worker reported it.)"""
-        self._shared_dir = meta.shared_dir
+        if meta.shared_dir != self._shared_dir:  # (the first step: map the scheduler's files)
+            self._shared_dir = meta.shared_dir
+            self._pools.clear()
+            self._views.clear()
         for transfer in meta.saves:
             try:
                 self._copy(transfer, save=True)
@@ -137,10 +140,11 @@ class WorkerSide:
             self.page.tp_rank * self.page.local_heads,
             (self.page.tp_rank + 1) * self.page.local_heads,
         )
+        slots = torch.tensor(transfer.slots, dtype=torch.long)
         for layer, view in enumerate(self.views):
             for kv, role in enumerate(("k", "v")):
-                pages = self._page_tensor(layer, role)
-                rows = self._rows(layer, role, transfer.slots)
+                pages, stride, offset = self._pages(layer, role)
+                rows = slots * stride + offset
                 if save:
                     pages[rows, heads] = view[blocks, kv]
                 else:
