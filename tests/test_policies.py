@@ -289,7 +289,7 @@ def test_a_dropped_block_that_comes_back_counts_as_a_reuse_at_its_age_and_keeps_
     gone.in_tree = False
     policy.now = 160
     policy.dropped([gone], [root])
-    assert policy.ghosts[gone.key] == (150, 2) and not gone.candidate
+    assert policy.ghost(gone.key) == (150, 2) and not gone.candidate
     before = policy.reuses[2][2]
     back = Block(gone.key, root, b"", TPB, [None])
     policy.now = 170
@@ -573,7 +573,7 @@ def test_a_drop_starts_each_new_candidate_once_in_its_age_bin_and_censors_forgot
     expected[1][9] += 1
     assert policy.started == expected
     assert all(not owner.candidate for owner in (*newly, already, often, old))
-    assert policy.ghosts[newly[0].key] == (100, 2) and policy.ghosts[often.key] == (120, 7)
+    assert policy.ghost(newly[0].key) == (100, 2) and policy.ghost(often.key) == (120, 7)
     # Ghosts up to the limit are kept; each one past it forgets the oldest, ended at its age.
     while len(policy.ghosts) < policy.ghost_limit:
         filler = block(6000 + len(policy.ghosts), uses=1, used_at=124)
@@ -581,7 +581,7 @@ def test_a_drop_starts_each_new_candidate_once_in_its_age_bin_and_censors_forgot
         policy.dropped([filler], [None])
     ended = [row[:] for row in policy.ended]
     oldest_key = next(iter(policy.ghosts))
-    oldest_used_at, oldest_uses = policy.ghosts[oldest_key]
+    oldest_used_at, oldest_uses = policy.ghost(oldest_key)
     extra = block(7000, uses=1, used_at=125)
     extra.candidate, extra.in_tree = True, False
     policy.dropped([extra], [None])

@@ -71,6 +71,8 @@ CLASSES = 3  # use counts 1, 2 and 3 or more
 MEMORY_BLOCKS = 16384  # the least number of inserted blocks the counts fade over
 CONFIDENCE = 1.0  # standard errors a head's score must be below LRU's choice's, each
 TIE_BREAK = 0.05  # the weight of the discounted expected reuse in a hazard score
+GHOST_SHIFT = 20  # a ghost is one int: its last use << GHOST_SHIFT | its uses (capped)
+GHOST_USES = (1 << GHOST_SHIFT) - 1  # (only min(uses, CLASSES) decides anything)
 
 
 def use_class(block: Block) -> int:
@@ -147,10 +149,11 @@ class HazardPolicy(EvictionPolicy):
         self.started = [[0.0] * bins for _ in range(CLASSES + 1)]
         self.ended = [[0.0] * bins for _ in range(CLASSES + 1)]
         self.reuses = [[0.0] * bins for _ in range(CLASSES + 1)]
-        # block key -> (last use, uses), oldest first (an OrderedDict: a plain dict's first
-        # item costs O(deleted items) to find, and the oldest ghost is dropped at every drop;
-        # the key itself, not its salted hash(), so no process's hash seed can matter)
-        self.ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        # block key -> (last use, uses) packed in one int, oldest first (an OrderedDict: a plain
+        # dict's first item costs O(deleted items) to find, and the oldest ghost is dropped at
+        # every drop; the key itself, not its salted hash(), so no process's hash seed can
+        # matter; one int, not a tuple: no object for the collector per ghost)
+        self.ghosts: OrderedDict[bytes, int] = OrderedDict()
         self.now = 0  # the clock: blocks requests used or committed so far
         self.first_insert: int | None = None
         self.inserts = 0  # new blocks so far
@@ -189,7 +192,8 @@ class HazardPolicy(EvictionPolicy):
                 new += 1
                 key = block.key
                 if key in ghosts:  # back after it was dropped (a test is cheaper than a pop)
-                    used_at, uses = ghosts.pop(key)
+                    ghost = ghosts.pop(key)
+                    used_at, uses = ghost >> GHOST_SHIFT, ghost & GHOST_USES
                     self._count(min(uses, CLASSES), now - used_at, reused=True)
                     block.uses = uses
             block.uses += 1
@@ -224,12 +228,13 @@ class HazardPolicy(EvictionPolicy):
                         age_bin if age_bin < last_bin else last_bin
                     ] += 1
                 block.candidate = False  # (the ghost carries it)
-                ghosts[block.key] = (used_at, uses)
+                ghosts[block.key] = used_at << GHOST_SHIFT | min(uses, GHOST_USES)
         excess = len(ghosts) - self.ghost_limit
         if excess > 0:  # forget the oldest: censored
             ended, forget = self.ended, ghosts.popitem
             for _ in range(excess):
-                used_at, uses = forget(last=False)[1]
+                ghost = forget(last=False)[1]
+                used_at, uses = ghost >> GHOST_SHIFT, ghost & GHOST_USES
                 age_bin = int((now - used_at) / width)
                 ended[uses if uses < CLASSES else CLASSES][
                     age_bin if age_bin < last_bin else last_bin
@@ -243,6 +248,11 @@ class HazardPolicy(EvictionPolicy):
                 and parent.parent is not None  # (not a scope's root)
             ):
                 self._start(parent, now)
+
+    def ghost(self, key: bytes) -> tuple[int, int] | None:
+        """The remembered (last use, uses) of a dropped block, or None."""
+        value = self.ghosts.get(key)
+        return None if value is None else (value >> GHOST_SHIFT, value & GHOST_USES)
 
     def classify(self, page: Page) -> int:
         if not self.width:
