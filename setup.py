@@ -1,5 +1,5 @@
 """Builds the native backend: the core's modules (src/kvpool/_native_modules.py) compiled by
-mypyc. Best effort: if mypyc or the C compiler fails, kvpool installs without it and runs its
+mypyc, and its hand-written C modules (linked to OpenSSL's libcrypto for SHA-256). Best effort: if mypyc or the C compiler fails, kvpool installs without it and runs its
 python backend (`kvpool info` says which backend runs, and why). KVPOOL_BUILD_NATIVE=0 skips it.
 """
 
@@ -11,25 +11,43 @@ import sys
 import traceback
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 PACKAGE = ROOT / "src" / "kvpool"
 
 
-def native_modules() -> tuple[list[str], str]:
+def native_modules() -> tuple[list[str], list[str], str, list[str]]:
+    """The mypyc modules, the C modules, the stamp's name and the files it digests."""
     namespace: dict[str, object] = {}
     exec((PACKAGE / "_native_modules.py").read_text(), namespace)
-    return list(namespace["NATIVE_MODULES"]), str(namespace["STAMP"])  # type: ignore[call-overload]
+    stamped = namespace["stamped_sources"]()  # type: ignore[operator]
+    return (
+        list(namespace["NATIVE_MODULES"]),  # type: ignore[call-overload]
+        list(namespace["C_MODULES"]),  # type: ignore[call-overload]
+        str(namespace["STAMP"]),
+        list(stamped),
+    )
 
 
-def sources_digest(modules: list[str]) -> str:
+def sources_digest(paths: list[str]) -> str:
     # (the same digest as kvpool._backends.sources_digest, which checks it at import)
     digest = hashlib.sha256()
-    for path in modules:
+    for path in paths:
         digest.update(path.encode() + b"\0" + (PACKAGE / path).read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def c_extension(path: str) -> Extension:
+    """`chain.py` -> the extension `kvpool.chain` built from `chain.c`."""
+    stem = path.removesuffix(".py")
+    return Extension(
+        "kvpool." + stem.replace("/", "."),
+        [f"src/kvpool/{stem}.c"],
+        libraries=["crypto"],
+        extra_compile_args=["-O2", "-Wno-deprecated-declarations"],
+    )
 
 
 def say(message: str) -> None:
@@ -43,7 +61,7 @@ class BuildNative(build_ext):
     def run(self) -> None:
         if not self.extensions:
             return
-        modules, stamp = native_modules()
+        modules, c_modules, stamp, stamped = native_modules()
         package_dir = Path(self.get_ext_fullpath("kvpool.records")).parent
         (package_dir / stamp).unlink(missing_ok=True)
         try:
@@ -53,20 +71,20 @@ class BuildNative(build_ext):
             say("the native backend did not build; kvpool will run its python backend")
             return
         package_dir.mkdir(parents=True, exist_ok=True)
-        (package_dir / stamp).write_text(sources_digest(modules) + "\n")
-        say(f"native backend built ({len(modules)} modules)")
+        (package_dir / stamp).write_text(sources_digest(stamped) + "\n")
+        say(f"native backend built ({len(modules)} compiled modules, {len(c_modules)} in C)")
 
 
 # The commands that build extensions (pip calls setup.py for metadata first: no mypyc there).
 BUILDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install"}
 
 
-def up_to_date(modules: list[str], stamp: str) -> bool:
+def up_to_date(modules: list[str], stamp: str, stamped: list[str]) -> bool:
     """Whether the checkout's compiled modules match its sources (an editable reinstall)."""
-    stamped = PACKAGE / stamp
+    stamp_file = PACKAGE / stamp
     return (
-        stamped.is_file()
-        and stamped.read_text().strip() == sources_digest(modules)
+        stamp_file.is_file()
+        and stamp_file.read_text().strip() == sources_digest(stamped)
         and all(list(PACKAGE.glob(path.removesuffix(".py") + ".*.so")) for path in modules)
     )
 
@@ -77,8 +95,8 @@ def extensions() -> list[object]:
     if os.environ.get("KVPOOL_BUILD_NATIVE", "1") == "0":
         say("KVPOOL_BUILD_NATIVE=0: not building the native backend")
         return []
-    modules, stamp = native_modules()
-    if "editable_wheel" in sys.argv and up_to_date(modules, stamp):
+    modules, c_modules, stamp, stamped = native_modules()
+    if "editable_wheel" in sys.argv and up_to_date([*modules, *c_modules], stamp, stamped):
         say("the native backend in the checkout is up to date")
         return []
     try:
@@ -90,14 +108,13 @@ def extensions() -> list[object]:
         # (Optional packages the core's imports reach, valkey or msgspec, may be absent from
         # the build's environment: their types do not matter to the compiled code.)
         flags = ["--ignore-missing-imports", "--no-warn-unused-ignores"]
-        return list(
-            mypycify(
-                [*flags, *(f"src/kvpool/{path}" for path in modules)],
-                opt_level="3",
-                debug_level="0",
-                target_dir=str(ROOT / "build" / "mypyc"),
-            )
+        compiled = mypycify(
+            [*flags, *(f"src/kvpool/{path}" for path in modules)],
+            opt_level="3",
+            debug_level="0",
+            target_dir=str(ROOT / "build" / "mypyc"),
         )
+        return [*compiled, *(c_extension(path) for path in c_modules)]
     except BaseException:  # mypyc exits on a type error in the sources
         traceback.print_exc()
         say("mypyc failed; kvpool will run its python backend")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from kvpool._native_modules import NATIVE_MODULES, STAMP
+from kvpool._native_modules import C_MODULES, NATIVE_MODULES, STAMP, stamped_sources
 from kvpool.errors import ConfigError
 
 ENV = "KVPOOL_BACKEND"
@@ -44,13 +44,14 @@ def module_name(path: str) -> str:
     return ".".join(["kvpool", *parts])
 
 
-NATIVE_NAMES = frozenset(module_name(path) for path in NATIVE_MODULES)
+COMPILED = (*NATIVE_MODULES, *C_MODULES)  # each has a compiled module beside its source
+NATIVE_NAMES = frozenset(module_name(path) for path in COMPILED)
 
 
 def sources_digest(package_dir: Path = PACKAGE_DIR) -> str:
     """The digest of the compiled modules' sources (what the build stamps)."""
     digest = hashlib.sha256()
-    for path in NATIVE_MODULES:
+    for path in stamped_sources():
         digest.update(path.encode() + b"\0" + (package_dir / path).read_bytes() + b"\0")
     return digest.hexdigest()
 
@@ -105,8 +106,8 @@ def _compiled_file(path: str) -> Path | None:
 
 def _why_not_native() -> str:
     """Why the native backend cannot run here ("" when it can)."""
-    missing = [path for path in NATIVE_MODULES if _compiled_file(path) is None]
-    if len(missing) == len(NATIVE_MODULES):
+    missing = [path for path in COMPILED if _compiled_file(path) is None]
+    if len(missing) == len(COMPILED):
         return "not built (no compiled modules: installed without a C compiler or mypyc?)"
     if missing:
         return f"partly built ({len(missing)} compiled modules missing, e.g. {missing[0]})"

@@ -32,6 +32,17 @@ NATIVE_MODULES = (
     "manager/manager.py",
 )
 
+C_MODULES = ("chain.py",)
+"""Modules whose native form is hand-written C, `chain.c` beside `chain.py` (the reference): what
+mypyc cannot make fast because the time goes to CPython objects per block, done in one C call
+per run of blocks. Built and selected with the compiled modules above."""
+
 STAMP = "_native_stamp.txt"
 """Written next to the compiled modules by the build: the digest of the sources they were
 compiled from. A compiled module whose source changed since (an edited checkout) is stale."""
+
+
+def stamped_sources() -> list[str]:
+    """The files the stamp digests: every compiled module's source, and both sources of each C
+    module."""
+    return [*NATIVE_MODULES, *(f for path in C_MODULES for f in (path, path[:-3] + ".c"))]

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from hashlib import sha256
 
+from kvpool.chain import walk_index
 from kvpool.events.log import KVEventLog
 from kvpool.layout import KVLayout
 from kvpool.lifecycles import AttentionLifeCycle, SsmLifeCycle
@@ -120,19 +121,23 @@ class RadixTree:
         if node is None:
             return [], 0
         tpb = self.layout.tokens_per_block
-        blocks: list[Block] = []
-        key, index = scope_key, self.index
+        blocks: list[Block]
         uniform = len(encoded) == 4 * len(tokens)
-        for start in range(0, len(tokens) - tpb + 1, tpb):
-            if uniform:
-                key = sha256(key + encoded[4 * start : 4 * (start + tpb)]).digest()
-            else:
+        if uniform:  # (one call for the whole run of full blocks)
+            full = 4 * tpb * (len(tokens) // tpb)
+            run = encoded if full == len(encoded) else encoded[:full]
+            blocks = walk_index(scope_key, run, 4 * tpb, self.index)
+        else:
+            blocks = []
+            key, index = scope_key, self.index
+            for start in range(0, len(tokens) - tpb + 1, tpb):
                 key = sha256(key + encode_checked(tokens[start : start + tpb])).digest()
-            found = index.get(key)
-            if found is None:
-                break
-            node = found
-            blocks.append(node)
+                found = index.get(key)
+                if found is None:
+                    break
+                blocks.append(found)
+        if blocks:
+            node = blocks[-1]
         matched = len(blocks) * tpb
         children = node.children if partial else []
         if children and len(children) <= MAX_CHILDREN_SCANNED:

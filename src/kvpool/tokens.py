@@ -13,8 +13,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
+from kvpool.chain import encode_ints
 from kvpool.config import ReuseScope
 from kvpool.errors import ArgumentError
 
@@ -31,7 +30,12 @@ def root_key(scope: object) -> bytes:
 
     `None`, `(lora=0)`, `(salt=0)` and `(0, 0)` all differ, and so do `(lora=5)` and `(salt=5)`.
     """
-    scope = ReuseScope() if scope is None else scope
+    if scope is None:  # (most requests: hashed once)
+        return _DEFAULT_ROOT_KEY
+    return _root_key(scope)
+
+
+def _root_key(scope: object) -> bytes:
     if not isinstance(scope, ReuseScope):
         raise ArgumentError(f"reuse_scope={scope!r} is invalid: must be a ReuseScope or None")
     mask = 0
@@ -59,50 +63,25 @@ def _encode_scope_field(name: str, value: object) -> bytes:
     raise ArgumentError(f"reuse_scope.{name}={value!r} is invalid: must be {allowed}")
 
 
+_DEFAULT_ROOT_KEY = _root_key(ReuseScope())
+
+
 def encode_tokens(tokens: Sequence[Any], name: str = "tokens") -> bytes:
     """Bytes of a block's tokens: ints in [0, 2**31) as 4-byte little-endian, 32-byte digests
     after a marker. Anything else (bools included) raises `ArgumentError` (a ValueError) naming
     `name[i]`."""
     if len(tokens) == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN:
         return tokens[0].to_bytes(4, "little")  # a decode step's one token
-    packer = _PACKERS.get(len(tokens))
-    if packer is None:
-        packer = struct.Struct(f"<{len(tokens)}i")
-        if len(tokens) <= MAX_CACHED_PACKER:
-            _PACKERS[len(tokens)] = packer
-    try:
-        data = packer.pack(*tokens)
-    except (struct.error, TypeError):
-        return b"".join(_encode_token(token, name, i) for i, token in enumerate(tokens))
-    # A top byte >= 0x80 is a negative int; `struct` packs True as 1.
-    if not data[3::4].isascii() or _has_bool(tokens, data):
-        for i, token in enumerate(tokens):
-            _encode_token(token, name, i)
+    data = encode_ints(tokens if type(tokens) is list or type(tokens) is tuple else list(tokens))
+    if data is None:  # digests, or a token to refuse by name
+        data = b"".join(_encode_token(token, name, i) for i, token in enumerate(tokens))
     return data
 
 
 def encode_checked(tokens: Sequence[Token]) -> bytes:
     """`encode_tokens` for tokens that were checked already (a request's committed tokens)."""
-    packer = _PACKERS.get(len(tokens))
-    if packer is not None:
-        try:
-            return packer.pack(*tokens)
-        except (struct.error, TypeError):  # digest tokens
-            pass
-    return encode_tokens(tokens)
-
-
-def _has_bool(tokens: Sequence[Any], data: bytes) -> bool:
-    """Whether an int token is really a bool (`struct` packs True as 1). Bools pack as 0 and 1,
-    so a long run is checked only at the tokens with those values (numpy finds them)."""
-    if len(tokens) <= 128:
-        return bool in set(map(type, tokens))
-    small = np.flatnonzero(np.frombuffer(data, dtype=np.uint32) < 2)
-    return any(type(tokens[i]) is bool for i in small.tolist())
-
-
-MAX_CACHED_PACKER = 512
-_PACKERS: dict[int, struct.Struct] = {}  # by token count: a block, a decode step
+    data = encode_ints(tokens)
+    return encode_tokens(tokens) if data is None else data
 
 
 def _encode_token(token: object, name: str = "tokens", index: int = 0) -> bytes:

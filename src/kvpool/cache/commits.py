@@ -15,6 +15,7 @@ from typing import NoReturn
 
 from kvpool import _debug
 from kvpool.cache.state import ACTIVE, GPU_LEVEL, Priorities, RequestState
+from kvpool.chain import chain_blocks, encode_ints
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError, StorageError
 from kvpool.radix import Match
 from kvpool.records import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, Block, Page
@@ -100,19 +101,23 @@ class Commits(RequestState):
         num_full = len(tail) // tpb
         first = (self._committed - len(tail)) // tpb
         parent = self._insertion_parent()
-        keys, datas = [], []
-        key = self._prev_key
-        for start in range(0, num_full * tpb, tpb):
-            if encoded is not None and start >= encoded_start:
-                offset = 4 * (start - encoded_start)
-                block_data = encoded[offset : offset + 4 * tpb]
-            else:
+        size = num_full * tpb
+        if encoded is not None and encoded_start == 0:  # (a prefill: the usual case)
+            run: bytes | None = encoded if len(encoded) == 4 * size else encoded[: 4 * size]
+        else:
+            run = encode_ints(tail if len(tail) == size else tail[:size])
+        if run is not None:  # every token an int: the blocks in one call
+            keys, datas = chain_blocks(self._prev_key, run, 4 * tpb)
+        else:  # digest tokens: each block's size is its own
+            keys, datas = [], []
+            key = self._prev_key
+            for start in range(0, size, tpb):
                 block_data = encode_checked(tail[start : start + tpb])
-            key = sha256(key + block_data).digest()
-            keys.append(key)
-            datas.append(block_data)
-        self._prev_key = key
-        del tail[: num_full * tpb]
+                key = sha256(key + block_data).digest()
+                keys.append(key)
+                datas.append(block_data)
+        self._prev_key = keys[-1]
+        del tail[:size]
         if parent is None:  # the previous block left the tree: nothing to share under
             self._snapshot_ssm(None, priorities, snapshots)
             return
