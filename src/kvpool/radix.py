@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from hashlib import sha256
+from typing import Final
 
 from kvpool.chain import walk_index
 from kvpool.events.log import KVEventLog
@@ -23,7 +24,7 @@ from kvpool.records import Block, LostBlock, Page
 from kvpool.tokens import Token, _common_token_prefix, encode_checked, encode_tokens
 
 # Partial matching and partial-block insertion scan a node's children only when it has few.
-MAX_CHILDREN_SCANNED = 32
+MAX_CHILDREN_SCANNED: Final = 32
 _NO_PAGES: tuple[Page, ...] = ()  # "no orphans", without a new list per insert
 
 

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from enum import Enum
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
 from kvpool.storage.slots import Slot
 from kvpool.tokens import Token, decode_tokens
 
-DEFAULT_PRIORITY = 35
-MIN_PRIORITY = 0
-MAX_PRIORITY = 100
+DEFAULT_PRIORITY: Final = 35
+MIN_PRIORITY: Final = 0
+MAX_PRIORITY: Final = 100
 
 
 class PageStatus(Enum):

@@ -11,18 +11,18 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from kvpool.chain import encode_ints
 from kvpool.config import ReuseScope
 from kvpool.errors import ArgumentError
 
 Token = int | bytes
-DIGEST_BYTES = 32
-MAX_TOKEN = 2**31
+DIGEST_BYTES: Final = 32
+MAX_TOKEN: Final = 2**31
 # Marks a 32-byte multimodal digest in the hashed byte stream. Int tokens are encoded as 4-byte
 # little-endian values below 2**31, which never end in 0xff, so the encoding is unambiguous.
-_DIGEST_MARKER = b"\xff\xff\xff\xff"
+_DIGEST_MARKER: Final = b"\xff\xff\xff\xff"
 
 
 def root_key(scope: object) -> bytes:
@@ -63,7 +63,7 @@ def _encode_scope_field(name: str, value: object) -> bytes:
     raise ArgumentError(f"reuse_scope.{name}={value!r} is invalid: must be {allowed}")
 
 
-_DEFAULT_ROOT_KEY = _root_key(ReuseScope())
+_DEFAULT_ROOT_KEY: Final = _root_key(ReuseScope())
 
 
 def encode_tokens(tokens: Sequence[Any], name: str = "tokens") -> bytes:

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from hashlib import sha256
 from typing import NoReturn
 
-from kvpool import _debug
 from kvpool.cache.state import ACTIVE, GPU_LEVEL, Priorities, RequestState
 from kvpool.chain import chain_blocks, encode_ints
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError, StorageError
@@ -49,7 +48,7 @@ class Commits(RequestState):
                 self._committed = committed
                 if committed > self._history:
                     self._history = committed
-                if _debug.DEBUG:
+                if self._checks:
                     self._ctx.check()
                 return
             encoded = None
@@ -60,7 +59,7 @@ class Commits(RequestState):
             if committed > self._capacity:
                 self._refuse_commit(count)
         self._commit_tokens(tokens, encoded)
-        if _debug.DEBUG:
+        if self._checks:
             self._ctx.check()
 
     def _refuse_commit(self, count: int) -> NoReturn:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import SupportsIndex, cast
 
-from kvpool import _debug
 from kvpool.cache.remote_loading import RemoteLoading
 from kvpool.cache.state import ACTIVE, GPU_LEVEL, RequestState
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
@@ -85,7 +84,7 @@ class Forking(RemoteLoading):
             self._set_page(g, index, copy)
             storage.unlock(page)
         self._ctx.counters.copy_on_write_pages += len(private)
-        if _debug.DEBUG:
+        if self._checks:
             self._ctx.check()
         return True
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NoReturn, SupportsIndex
 
-from kvpool import _debug
 from kvpool.cache.forking import Forking
 from kvpool.cache.state import ACTIVE, GPU_LEVEL
 from kvpool.errors import ArgumentError, LogicError
@@ -46,13 +45,13 @@ class Growth(Forking):
                 return False
             if new_blocks >= old_blocks:
                 self._capacity, self._history = capacity, history
-                if _debug.DEBUG:
+                if self._checks:
                     self._ctx.check()
                 return True
         if new_blocks == old_blocks:  # only blocks leaving a window (decode, or after a prefill)
             self._release_stale(stale, old_blocks)
             self._capacity, self._history = capacity, history
-            if _debug.DEBUG:
+            if self._checks:
                 self._ctx.check()
             return True
         layout, storage = self._ctx.layout, self._ctx.storage
@@ -124,7 +123,7 @@ class Growth(Forking):
             self._table.set_many(g, wanted, reuse)
         self._advance_released(stale)
         self._capacity, self._history = capacity, history
-        if _debug.DEBUG:
+        if self._checks:
             self._ctx.check()
         return True
 

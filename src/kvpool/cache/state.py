@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import SupportsIndex
+from typing import Final, SupportsIndex
 
 import numpy as np
 import numpy.typing as npt
@@ -34,7 +34,7 @@ from kvpool.tiers import StorageManager
 from kvpool.tokens import Token
 from kvpool.validation import check_index
 
-GPU_LEVEL = 0
+GPU_LEVEL: Final = 0
 PriorityCallback = Callable[[int, int], int]
 """(block ordinal, layer group id) -> eviction priority in [0, 100]; lower is evicted first.
 Called for every layer group of every block a commit fills (or the tail `stop_committing`
@@ -49,7 +49,7 @@ class KVCacheStatus(Enum):
     CLOSED = "closed"
 
 
-ACTIVE = KVCacheStatus.ACTIVE  # (a module constant: read on every step)
+ACTIVE: Final = KVCacheStatus.ACTIVE  # (a module constant: read on every step)
 
 
 @dataclass
@@ -86,6 +86,8 @@ class RequestState:
         self.reused_length = 0  # tokens reused at creation
         self._sum_capacity = self._sum_history = self._num_resizes = 0  # for `mean_shape`
         self._priority_callback = priority_callback
+        # `KVPOOL_DEBUG`'s checks, read once here: a field per call, not a module lookup
+        self._checks = _debug.DEBUG
         self._status = KVCacheStatus.SUSPENDED
         layout = context.layout
         self._tpb = layout.tokens_per_block
@@ -195,7 +197,7 @@ class RequestState:
     def _require_open(self, operation: str) -> None:
         if self._status is KVCacheStatus.CLOSED:
             raise LogicError(f"{operation}() on KV cache {self.id}, which is closed")
-        if _debug.DEBUG:
+        if self._checks:
             self._ctx.check_thread()
 
     def _require_active(self, operation: str) -> None:
@@ -205,7 +207,7 @@ class RequestState:
             )
 
     def _after_call(self) -> None:
-        if _debug.DEBUG:
+        if self._checks:
             self._ctx.check()
 
     def __repr__(self) -> str:

@@ -87,6 +87,7 @@ class ManagerCore:
         check_callable("clock", clock)
         config.validate()
         self._closed = False
+        self._checks = _debug.DEBUG  # (read once: a field per call, not a module lookup)
         self._owner_thread: int | None = None
         self._config = copy.deepcopy(config)
         self.layout = KVLayout(self._config.layers, self._config.tokens_per_block)
@@ -454,7 +455,7 @@ class ManagerCore:
         return list(self._storage.num_moved)
 
     def _after_call(self) -> None:
-        if _debug.DEBUG:
+        if self._checks:
             self._check_thread()
             self.check_invariants()
 
@@ -495,5 +496,5 @@ class ManagerCore:
     def _require_open(self) -> None:
         if self._closed:
             raise LogicError("the manager was shut down")
-        if _debug.DEBUG:
+        if self._checks:
             self._check_thread()

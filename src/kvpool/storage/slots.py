@@ -21,7 +21,7 @@ owners must drop it when they release (pages do).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn, Protocol, SupportsIndex, cast
+from typing import Final, NoReturn, Protocol, SupportsIndex, cast
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from kvpool import _debug
 from kvpool.errors import ArgumentError, CorruptedError, LogicError, OutOfPagesError
 from kvpool.validation import check_int
 
-COMPACT_AFTER = 256  # handed-out recycled handles kept before the list is cut (see `_head`)
+COMPACT_AFTER: Final = 256  # handed-out recycled handles kept before the list is cut (see `_head`)
 
 
 class ReadyEvent(Protocol):
@@ -75,6 +75,7 @@ class SlotAllocator:
     def __init__(self, capacity: SupportsIndex) -> None:
         capacity = check_int("capacity", capacity, 0)
         self._capacity = capacity
+        self._checks = _debug.DEBUG  # (read once: a field per call, not a module lookup)
         self._target = capacity
         self._num_active = 0
         # Free slots, as their handles: recycled (FIFO: `_recycled[_head:]`, the longest free
@@ -178,7 +179,7 @@ class SlotAllocator:
         for slot in taken:
             slot.released = 0
         self._num_occupied += count
-        if _debug.DEBUG:
+        if self._checks:
             self.check_invariants()
         return taken
 
@@ -227,7 +228,7 @@ class SlotAllocator:
                     slot.ready_event = None
                 (self._overflow if slot.slot_id >= target else recycled).append(slot)
         self._num_occupied -= len(slots)
-        if _debug.DEBUG:
+        if self._checks:
             self.check_invariants()
 
     def _unmark(self, slots: Sequence[object], mark: int) -> None:
@@ -271,7 +272,7 @@ class SlotAllocator:
             (kept if slot.slot_id < new_capacity else self._overflow).append(slot)
         self._recycled, self._head = kept, 0
         self._target = new_capacity
-        if _debug.DEBUG:
+        if self._checks:
             self.check_invariants()
 
     def finish_shrink(self) -> bool:
@@ -293,7 +294,7 @@ class SlotAllocator:
         self._capacity = self._target
         self._num_active = min(self._num_active, self._capacity)
         del self._slots[self._capacity :]
-        if _debug.DEBUG:
+        if self._checks:
             self.check_invariants()
         return True
 
@@ -304,7 +305,7 @@ class SlotAllocator:
         self._recycled.extend(self._overflow)
         self._overflow.clear()
         self._target = self._capacity
-        if _debug.DEBUG:
+        if self._checks:
             self.check_invariants()
 
     def expand(self, new_capacity: SupportsIndex) -> None:
@@ -313,7 +314,7 @@ class SlotAllocator:
             raise LogicError(f"cannot expand while a shrink to {self._target} is in progress")
         new_capacity = check_int("new_capacity", new_capacity, self._capacity + 1)
         self._capacity = self._target = new_capacity
-        if _debug.DEBUG:
+        if self._checks:
             self.check_invariants()
 
     # -- consistency -----------------------------------------------------------------------------
