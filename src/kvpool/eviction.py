@@ -128,6 +128,14 @@ class EvictionQueue:
         return []
 
 
+def _next_or_none(cursor: Iterator[Page]) -> Page | None:
+    """`next(cursor, None)` (compiled, a direct call: the builtin with a default is looked up
+    and called generically)."""
+    for page in cursor:
+        return page
+    return None
+
+
 def _is_leaf(page: Page, going: Set[Page]) -> bool:
     """No child block holds a page of `page`'s layer group (other than pages in `going`):
     dropping it drops nothing else."""
@@ -137,8 +145,8 @@ def _is_leaf(page: Page, going: Set[Page]) -> bool:
     group = page.layer_group
     kids = block.kids
     if isinstance(kids, dict):
-        return all(kid[group] is None or kid[group] in going for kid in kids.values())
-    return kids[group] is None or kids[group] in going
+        return all(kid.pages[group] is None or kid.pages[group] in going for kid in kids.values())
+    return kids.pages[group] is None or kids.pages[group] in going
 
 
 class ClassedQueue(EvictionQueue):
@@ -179,7 +187,10 @@ class ClassedQueue(EvictionQueue):
     def push_all(self, pages: list[Page]) -> None:
         lists, classed = self._classes, 0
         plain: list[Page] = []  # (the priority lists' pages: in order, in one batch)
-        for page, klass in zip(pages, self.policy.classify_all(pages), strict=True):
+        classes = self.policy.classify_all(pages)
+        assert len(classes) == len(pages)
+        for i in range(len(pages)):  # (not zip(..., strict=True): generic, compiled or not)
+            page, klass = pages[i], classes[i]
             if not klass or page.priority != DEFAULT_PRIORITY:
                 plain.append(page)
                 continue
@@ -232,7 +243,7 @@ class ClassedQueue(EvictionQueue):
                 block = page.block
                 parent = block.parent if block is not None else None
                 if parent is not None:
-                    above = parent[page.layer_group]
+                    above = parent.pages[page.layer_group]
                     if above is not None and above in interior:
                         del interior[above]
                         head = lists[above.klass]
@@ -271,7 +282,7 @@ class ClassedQueue(EvictionQueue):
         block = page.block
         parent = block.parent if block is not None else None
         if parent is not None:
-            above = parent[page.layer_group]
+            above = parent.pages[page.layer_group]
             if above is not None and above in self._interior:
                 del self._interior[above]
                 return above
@@ -291,7 +302,7 @@ class ClassedQueue(EvictionQueue):
         pages: list[Page] = []
         going: set[Page] = set()
         cursors = [iter(pages_of) for pages_of in lists]
-        nexts: list[Page | None] = [next(cursor, None) for cursor in cursors]
+        nexts: list[Page | None] = [_next_or_none(cursor) for cursor in cursors]
         fronts: list[list[Page]] = [[] for _ in range(classes)]
         passed: list[list[Page]] = [[] for _ in range(classes)]  # non-leaves a cursor passed
         touched = [False] * classes  # a cursor passed a non-leaf, or a front page was picked
@@ -317,7 +328,7 @@ class ClassedQueue(EvictionQueue):
                 interior[later] = None
                 passed[klass].append(later)
                 touched[klass] = True
-                later = nexts[klass] = next(cursors[klass], None)
+                later = nexts[klass] = _next_or_none(cursors[klass])
             heads[klass] = None
 
         for klass in range(1, classes):
@@ -352,7 +363,7 @@ class ClassedQueue(EvictionQueue):
                     touched[best] = True
                     above = self._parent_aside(page)  # (a leaf once this one goes?)
                 else:
-                    nexts[best] = next(cursors[best], None)
+                    nexts[best] = _next_or_none(cursors[best])
                     above = self._parent_aside(page)  # (a leaf once this one goes?)
                     if above is None and by_age:
                         # The pages after it used at the same time score the same: the same
@@ -395,18 +406,18 @@ class ClassedQueue(EvictionQueue):
                 if isinstance(kids, dict):
                     if not _is_leaf(page, going):
                         break
-                elif (kid := kids[page.layer_group]) is not None and kid not in going:
+                elif (kid := kids.pages[page.layer_group]) is not None and kid not in going:
                     break
             append(page)
             add(page)
             room -= 1
             if interior:  # (else no parent waits aside)
                 parent = block.parent  # type: ignore[union-attr]
-                above = parent[page.layer_group] if parent is not None else None
+                above = parent.pages[page.layer_group] if parent is not None else None
                 if above is not None and above in interior:
                     del interior[above]
-                    return next(cursor, None), above
-            page = next(cursor, None)
+                    return _next_or_none(cursor), above
+            page = _next_or_none(cursor)
         return page, None
 
     def _settle_batch(

@@ -36,8 +36,9 @@ class PageTable:
     def set_many(self, g: int, indices: list[int], pages: list[Page]) -> None:
         """`set` each index to its page (one numpy write)."""
         page_list = self.pages[g]
-        for index, page in zip(indices, pages, strict=True):
-            page_list[index] = page
+        assert len(indices) == len(pages)
+        for i in range(len(pages)):  # (not zip(..., strict=True): generic, compiled or not)
+            page_list[indices[i]] = pages[i]
         _write_slot_ids(self.tables[g], indices, pages)
         self.version += 1
 
@@ -134,8 +135,9 @@ def _write_slot_ids(
     table: npt.NDArray[np.int32], indices: Sequence[int], pages: Sequence[Page]
 ) -> None:
     """table[indices[i]] = pages[i]'s slot id."""
+    assert len(indices) == len(pages)
     if len(pages) < 8:  # numpy's per-call cost beats a few scalar writes
-        for index, page in zip(indices, pages, strict=True):
-            table[index] = page.slot.slot_id  # type: ignore[union-attr]
+        for i in range(len(pages)):
+            table[indices[i]] = pages[i].slot.slot_id  # type: ignore[union-attr]
     else:
         table[list(indices)] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]

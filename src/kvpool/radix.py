@@ -213,7 +213,9 @@ class RadixTree:
         blocks: list[Block] = []
         orphans: Sequence[Page] = _NO_PAGES
         index, tpb = self.index, self._tokens_per_block
-        for key, data in zip(keys, datas, strict=True):
+        assert len(keys) == len(datas)
+        for i in range(len(keys)):  # (not zip(..., strict=True): generic, compiled or not)
+            key, data = keys[i], datas[i]
             child = index.get(key)
             if child is None:
                 if parent.kids is None:  # the usual case: extend a chain
@@ -310,7 +312,7 @@ class RadixTree:
             if parent is not None and block.kids is None:
                 # A leaf, the usual victim: its other pages lost with it, `_unlink` and
                 # `_retire` inline.
-                if any(block):
+                if _has_page(block):
                     self._detach_all(block, orphans, lost_blocks)
                 if parent.kids is block:
                     parent.kids = None
@@ -322,7 +324,7 @@ class RadixTree:
                 del index[block.key]
                 block.parent = None
                 spare.append(block)
-                if parent.kids is None and not any(parent):
+                if parent.kids is None and not _has_page(parent):
                     self._prune_upwards(parent)
                 continue
             self._remove_subtree(block, orphans, lost_blocks)
@@ -358,7 +360,7 @@ class RadixTree:
             if block.kids is not None:
                 stack.extend(block.children)
                 block.kids = None
-            if any(block):
+            if _has_page(block):
                 self._detach_all(block, orphans, lost)
             self._retire(block)
 
@@ -387,7 +389,7 @@ class RadixTree:
 
     def _prune_upwards(self, block: Block) -> None:
         """Remove childless blocks that hold no page in any layer group, up to the root."""
-        while block.kids is None and not any(block):
+        while block.kids is None and not _has_page(block):
             parent = block.parent
             if parent is None:
                 if self.roots.get(block.key) is block:
@@ -418,7 +420,7 @@ def _attention_endpoint(
     for index in range(-(-length // tpb)):
         if beg <= index < end:
             continue
-        if blocks[index][group] is None:
+        if blocks[index].pages[group] is None:
             return index * tpb
     return length
 
@@ -431,3 +433,9 @@ def _ssm_endpoint(blocks: list[Block], group: int, length: int, tpb: int) -> int
         if end <= length and block.pages[group] is not None:
             return end
     return 0
+
+
+def _has_page(block: Block) -> bool:
+    """Whether any layer group of `block` still has its page (over the list: compiled, a
+    native loop; `any(block)` went through `Block.__iter__`)."""
+    return any(page is not None for page in block.pages)

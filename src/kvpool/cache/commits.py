@@ -147,7 +147,8 @@ class Commits(RequestState):
         for g in self._attention_groups:
             pages = self._pages[g]
             attached: list[Block] | None = [] if events is not None else None
-            for index, block in enumerate(blocks, first):
+            for i in range(len(blocks)):  # (enumerate with a start is generic, compiled or not)
+                index, block = first + i, blocks[i]
                 page = pages[index] if index < len(pages) else None
                 if page is None or page.block is not None:
                     continue
@@ -297,7 +298,7 @@ class Commits(RequestState):
             beg, end = lc.stale_range(length, tpb)
             self._table.resize(g, num_blocks)
             indices = [index for index in range(num_blocks) if not beg <= index < end]
-            pages = [match.blocks[index][g] for index in indices]
+            pages = [match.blocks[index].pages[g] for index in indices]
             assert None not in pages, "match pruning guarantees the pages"
             storage.hold_all(pages)  # type: ignore[arg-type]
             if partial and indices and indices[-1] == num_blocks - 1:
