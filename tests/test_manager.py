@@ -166,10 +166,13 @@ def test_shutdown_is_idempotent_and_final():
         manager.get_quota(0)
 
 
-def test_a_level_of_a_million_slots_makes_no_object_per_slot():
+def test_a_level_of_a_million_slots_makes_a_bounded_number_of_records():
+    """The first level's records are made up front, but at most `PREMADE_RECORDS` per pool
+    group; ids beyond them get their handle when first allocated."""
     import tracemalloc
 
     from kvpool import AttentionLayerConfig, BufferConfig, KVCacheManagerConfig
+    from kvpool.tiers.state import PREMADE_RECORDS
 
     slots = 1 << 20
     layer = AttentionLayerConfig(0, [BufferConfig("k", 1024), BufferConfig("v", 1024)])
@@ -180,12 +183,14 @@ def test_a_level_of_a_million_slots_makes_no_object_per_slot():
         built = tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
-    assert m.get_slot_counts(0) == [slots]
-    assert built < 1 << 20, built  # (a handle, a page record and a block per slot: 400 MiB)
-    cache = m.create_kv_cache(None, [])
-    assert cache.resume() and cache.resize(16 * 100)  # objects come as pages are used
-    assert len(m._storage.allocators[0][0]._slots) == 100
-    cache.close()
+    assert m.get_slot_counts(0) == [slots] and PREMADE_RECORDS < slots
+    allocator = m._storage.allocators[0][0]
+    assert len(allocator._slots) == len(m._storage._spare_pages) == PREMADE_RECORDS
+    assert len(m._tree._spare) == PREMADE_RECORDS
+    assert built < 64 << 20, built  # (a record of each kind per slot: 400 MiB)
+    taken = allocator.allocate_multiple(PREMADE_RECORDS + 100)  # beyond them: one at a time
+    assert len(allocator._slots) == PREMADE_RECORDS + 100
+    allocator.release_multiple(taken)
     shutdown(m)
 
 
@@ -214,3 +219,35 @@ def test_shared_dir_must_be_an_existing_directory(tmp_path):
     config = make_config(tiers=[GpuCacheTierConfig(4 * MiB, shared_dir=str(tmp_path / "no"))])
     with pytest.raises(ConfigError, match=r"cache_tiers\[0\]\.shared_dir"):
         KVCacheManager(config)
+
+
+def test_the_first_levels_records_are_made_with_the_manager(manager_factory, tmp_path):
+    """Slot handles, page records and block records of the GPU level exist before the first
+    request; filling the level takes them (no new record), colder levels make theirs later."""
+    config = make_config(
+        [kv_layer(0, size=4096)],
+        [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(2 * MiB)],
+        tokens_per_block=16,
+        max_util_for_resume=1.0,
+    )
+    m = manager_factory(config)
+    slots = m.get_slot_counts(0)[0]
+    storage, tree = m._storage, m._tree
+    assert len(storage._spare_pages) == slots and len(tree._spare) == slots
+    assert len(storage.allocators[0][0]._slots) == slots  # (handles: made)
+    assert len(storage.allocators[1][0]._slots) == 0  # (the host's: when first needed)
+    premade_pages = {id(page) for page in storage._spare_pages}
+    premade_blocks = {id(block) for block in tree._spare}
+    caches = []
+    for index in range(slots // 4):  # every GPU slot, in committed blocks
+        cache = m.create_kv_cache(None, [])
+        assert cache.resume() and cache.resize(64)
+        cache.commit(list(range(index * 1000, index * 1000 + 64)))
+        caches.append(cache)
+    used = 4 * (slots // 4)
+    pages = list(storage.pages[0][0].values())
+    assert len(pages) == used and {id(page) for page in pages} <= premade_pages
+    assert len(tree.index) == used and {id(b) for b in tree.index.values()} <= premade_blocks
+    assert len(storage._spare_pages) == len(tree._spare) == slots - used
+    for cache in caches:
+        cache.close()

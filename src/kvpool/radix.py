@@ -93,6 +93,11 @@ class RadixTree:
             for lc in layout.life_cycles
         ]
 
+    def make_spare_blocks(self, count: int) -> None:
+        """Make `count` block records now, for the first blocks the tree takes in."""
+        no_pages, spare = self._no_pages, self._spare
+        spare += [Block(b"", None, b"", 0, no_pages) for _ in range(count)]
+
     def root(self, key: bytes) -> Block:
         """The root of a scope (created on first use; removed again when it has no children)."""
         node = self.roots.get(key)

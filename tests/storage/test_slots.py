@@ -477,3 +477,42 @@ def test_invariant_check_detects_corruption(corrupt, message):
     corrupt(allocator)
     with pytest.raises(CorruptedError, match=message):
         allocator.check_invariants()
+
+
+def test_handles_made_up_front_hand_out_the_same_ids_and_pass_the_checks():
+    """`make_handles` (the manager's first level) changes no id any call hands out."""
+    eager, lazy = SlotAllocator(64), SlotAllocator(64)
+    eager.make_handles(64)
+    eager.check_invariants()
+    assert eager.num_active_slots == 0 and eager.num_free_slots == 64
+    held: dict[int, list] = {id(eager): [], id(lazy): []}
+
+    def allocate(allocator, count):
+        slots = allocator.allocate_multiple(count)
+        held[id(allocator)] += slots
+        return [slot.slot_id for slot in slots]
+
+    def release(allocator, keep):
+        mine = held[id(allocator)]
+        allocator.release_multiple([slot for slot in mine if not keep(slot.slot_id)])
+        held[id(allocator)] = [slot for slot in mine if keep(slot.slot_id)]
+
+    steps = [
+        lambda a: allocate(a, 10),
+        lambda a: release(a, lambda i: not 3 <= i < 7),
+        lambda a: allocate(a, 20),
+        lambda a: release(a, lambda i: i < 16),
+        lambda a: a.prepare_for_shrink(16),
+        lambda a: a.finish_shrink(),
+        lambda a: a.expand(64),
+        lambda a: allocate(a, 40),
+    ]
+    for step in steps:
+        assert step(eager) == step(lazy)
+        eager.check_invariants()
+    assert eager.capacity == 64 and eager.num_free_slots == lazy.num_free_slots == 8
+    # The check bites: a handle above the high-water mark must be free.
+    eager.make_handles(64)
+    eager._slots[-1].released = 0
+    with pytest.raises(CorruptedError, match="above the high-water mark is occupied"):
+        eager.check_invariants()

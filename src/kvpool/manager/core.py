@@ -37,12 +37,7 @@ from kvpool.stats import Counters, LatencyHistogram, ManagerStats, PoolGroupUsag
 from kvpool.storage.memory import HostMemory
 from kvpool.storage.pools import LevelStorage
 from kvpool.tiers import StorageManager
-from kvpool.validation import (
-    check_bool,
-    check_callable,
-    check_index,
-    fail,
-)
+from kvpool.validation import check_bool, check_callable, check_index, fail
 
 # The request shape that sizes pool groups when the config names none.
 DEFAULT_REQUEST = KVCacheDesc(capacity=2049, history_length=2048)
@@ -124,6 +119,8 @@ class ManagerCore:
                             memory.pin()
         self._tree = RadixTree(self.layout)
         self._storage.on_drop = self._tree.remove_pages
+        # The first level's records, up front: it fills in the engine's loop (section 7).
+        self._tree.make_spare_blocks(self._storage.make_records(0))
         self._clock = clock or time.monotonic
         # The policy decides what the last level drops; what it keeps stays cached somewhere
         # in every level together, so its horizon is the blocks of all levels.

@@ -12,7 +12,8 @@ two-phase: `prepare_for_shrink(n)` stops issuing ids >= n and parks freed ones i
 mark is below the new size shrink at once.
 
 Each id has one `Slot` object for the allocator's life, made when the id is first issued (a
-large, little-used level costs no memory per slot) and handed out again on every allocation: no
+large, little-used level costs no memory per slot; the manager makes its first level's up front,
+`make_handles`) and handed out again on every allocation: no
 object per allocation, as the engine's hot loop allocates and frees thousands per second. So a
 double release is caught, but a handle kept after its release is the next owner's handle too:
 owners must drop it when they release (pages do).
@@ -85,9 +86,17 @@ class SlotAllocator:
         self._recycled: list[Slot] = []
         self._head = 0
         self._overflow: list[Slot] = []
-        self._slots: list[Slot] = []  # the handle of each id below the high-water mark
+        # The handle of each id below the high-water mark (and above it, of ids never handed
+        # out, where `make_handles` made them up front).
+        self._slots: list[Slot] = []
         self._num_occupied = 0
         self._serial = 1  # of the last `release_multiple` call, its mark (above a new slot's 1)
+
+    def make_handles(self, count: int) -> None:
+        """Make the handles of ids below `count` now rather than at their first allocation (for
+        a level every id of which will be used: no object made in the hot loop)."""
+        if len(self._slots) < count:
+            self._slots += map(Slot, range(len(self._slots), count))
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -326,11 +335,16 @@ class SlotAllocator:
         if not 0 <= target <= capacity or not 0 <= active <= capacity:
             problems.append(f"target {target}, active {active}, capacity {capacity}")
         handles = len(self._slots)
-        if handles != active:
-            problems.append(f"{handles} slot handles for a high-water mark of {active}")
-        slots = self._slots[:active]  # ids above it were never handed out
-        if any(slot.slot_id != i for i, slot in enumerate(slots)):
+        if not active <= handles <= max(capacity, active):
+            problems.append(
+                f"{handles} slot handles for a high-water mark of {active} and a capacity of "
+                f"{capacity}"
+            )
+        if any(slot.slot_id != i for i, slot in enumerate(self._slots)):
             problems.append("a slot handle has the wrong id")
+        if any(not slot.released for slot in self._slots[active:]):
+            problems.append("a handle above the high-water mark is occupied")
+        slots = self._slots[:active]  # ids above it were never handed out
         occupied = np.fromiter((not slot.released for slot in slots), dtype=bool, count=len(slots))
         if int(np.count_nonzero(occupied)) != self._num_occupied:
             problems.append(

@@ -4,12 +4,15 @@ eviction queues, the page in each occupied slot, the spare page records and the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from kvpool.events.log import KVEventLog
 from kvpool.eviction import EvictionQueue
 from kvpool.records import Page
 from kvpool.storage.copier import Copier
 from kvpool.storage.pools import LevelStorage
+
+PREMADE_RECORDS: Final = 1 << 17  # per pool group: at most about 53 MiB of records
 
 
 class StorageState:
@@ -43,6 +46,19 @@ class StorageState:
         self.events: list[tuple[object, ...]] | None = None
         # Told when the tree's pages change level (None: no KV events).
         self.kv_events: KVEventLog | None = None
+
+    def make_records(self, level: int, limit: int = PREMADE_RECORDS) -> int:
+        """Make the slot handles and page records of `level`'s slots now (up to `limit` per
+        pool group), so that filling the level makes none: its records are made once, where a
+        manager is made, not in the engine's loop (where the collector would also walk them
+        while they pile up). Returns the most made for one pool group."""
+        most = 0
+        for allocator in self.allocators[level]:
+            count = min(allocator.capacity, limit)
+            allocator.make_handles(count)
+            self._spare_pages += [Page(None, level, 0, 0) for _ in range(count)]
+            most = max(most, count)
+        return most
 
     @property
     def last_level(self) -> int:
