@@ -92,16 +92,16 @@ class EvictionPolicy:
     # of a class used at the same time score the same, and the queue takes them in runs).
     scores_by_age = False
 
-    def used(self, blocks: Sequence[Block]) -> None:
+    def used(self, blocks: list[Block]) -> None:
         pass
 
-    def inserted(self, blocks: Sequence[Block]) -> None:
+    def inserted(self, blocks: list[Block]) -> None:
         pass
 
     def released(self, block: Block) -> None:
         pass
 
-    def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None]) -> None:
+    def dropped(self, blocks: list[Block], parents: list[Block | None]) -> None:
         pass
 
     def classify(self, page: Page) -> int:
@@ -167,7 +167,7 @@ class HazardPolicy(EvictionPolicy):
 
     # -- hooks -----------------------------------------------------------------------------------
 
-    def used(self, blocks: Sequence[Block]) -> None:
+    def used(self, blocks: list[Block]) -> None:
         self.now = now = self.now + len(blocks)
         for block in blocks:
             if block.candidate:
@@ -175,7 +175,7 @@ class HazardPolicy(EvictionPolicy):
             block.uses += 1
             block.used_at = now
 
-    def inserted(self, blocks: Sequence[Block]) -> None:
+    def inserted(self, blocks: list[Block]) -> None:
         """Stamps the blocks with the current time, then advances it by their number."""
         if not blocks:
             return
@@ -215,7 +215,7 @@ class HazardPolicy(EvictionPolicy):
         if self.width and block.in_tree and block.kids is None and not block.candidate:
             self._start(block, self.now)
 
-    def dropped(self, blocks: Sequence[Block], parents: Sequence[Block | None]) -> None:
+    def dropped(self, blocks: list[Block], parents: list[Block | None]) -> None:
         if not self.width:
             return
         now, ghosts, started, width = self.now, self.ghosts, self.started, self.width

@@ -212,7 +212,7 @@ class RadixTree:
         return block, orphans
 
     def insert_chain(
-        self, parent: Block, keys: Sequence[bytes], datas: Sequence[bytes]
+        self, parent: Block, keys: list[bytes], datas: list[bytes]
     ) -> tuple[list[Block], Sequence[Page]]:
         """`insert` full blocks one below the other, starting under `parent`."""
         blocks: list[Block] = []

@@ -136,9 +136,7 @@ class Commits(RequestState):
             return tree.root(self._scope_key)
         return tree.index.get(self._prev_key)
 
-    def _attach_pages(
-        self, first: int, blocks: Sequence[Block], priorities: Priorities | None
-    ) -> None:
+    def _attach_pages(self, first: int, blocks: list[Block], priorities: Priorities | None) -> None:
         """Make our pages of blocks `first`, `first + 1`, ... the tree blocks' pages (with their
         `priorities`, if given); where a block already has one, share it instead (one copy of
         the KV, not two)."""
