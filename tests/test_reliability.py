@@ -24,7 +24,7 @@ from kvpool import (
     LogicError,
     StorageError,
 )
-from kvpool.errors import ArgumentError
+from kvpool.errors import ArgumentError, CorruptedError
 from tests.engine_check import CheckingEngine
 from tests.faults import DiskFaults, state_of
 from tests.helpers import MiB, make_config, record_layer, shutdown
@@ -410,6 +410,21 @@ def test_a_call_from_a_second_thread_is_refused_in_debug_mode(make):
     assert errors and "thread" in str(errors[0])
     assert m.num_open_kv_caches == 1
     m.transfer_to_current_thread()  # the same thread may take the manager over explicitly
+    cache.close()
+
+
+def test_debug_mode_checks_the_manager_after_a_requests_call(make):
+    """With KVPOOL_DEBUG the checker runs after each call of a request too (each request reads
+    the flag when made)."""
+    m, _ = make()
+    cache = m.create_kv_cache(None, [])
+    assert cache.resume() and cache.resize(32)
+    cache.commit(list(range(20)))
+    page = cache.pages(0)[0]
+    page.locks += 1  # a lock nobody holds
+    with pytest.raises(CorruptedError):
+        cache.resize(33)
+    page.locks -= 1
     cache.close()
 
 
