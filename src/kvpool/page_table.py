@@ -3,7 +3,7 @@ that attention kernels read (grown by doubling, updated in place, never rebuilt 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 
 import numpy as np
 import numpy.typing as npt
@@ -50,7 +50,10 @@ class PageTable:
         table = self.tables[g]
         if len(page_list) > table.size:
             table = self._grow(g, len(page_list))
-        _write_slot_ids(table, range(start, len(page_list)), pages)
+        if len(pages) == 1:
+            table[start] = pages[0].slot.slot_id  # type: ignore[union-attr]
+        else:  # (a slice: no index array)
+            table[start : len(page_list)] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]
         self.version += 1
 
     def clear_all(self, g: int) -> list[Page | None]:
@@ -131,13 +134,11 @@ class PageTable:
         return indices
 
 
-def _write_slot_ids(
-    table: npt.NDArray[np.int32], indices: Sequence[int], pages: Sequence[Page]
-) -> None:
+def _write_slot_ids(table: npt.NDArray[np.int32], indices: list[int], pages: list[Page]) -> None:
     """table[indices[i]] = pages[i]'s slot id."""
     assert len(indices) == len(pages)
     if len(pages) < 8:  # numpy's per-call cost beats a few scalar writes
         for i in range(len(pages)):
             table[indices[i]] = pages[i].slot.slot_id  # type: ignore[union-attr]
     else:
-        table[list(indices)] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]
+        table[indices] = [page.slot.slot_id for page in pages]  # type: ignore[union-attr]

@@ -227,7 +227,7 @@ class HazardPolicy(EvictionPolicy):
                     age_bin = int((now - used_at) / width)
                     started[uses if uses < CLASSES else CLASSES][
                         age_bin if age_bin < last_bin else last_bin
-                    ] += 1
+                    ] += 1.0
                 block.candidate = False  # (the ghost carries it)
                 ghosts[block.key] = used_at << GHOST_SHIFT | min(uses, GHOST_USES)
         excess = len(ghosts) - self.ghost_limit
@@ -239,7 +239,7 @@ class HazardPolicy(EvictionPolicy):
                 age_bin = int((now - used_at) / width)
                 ended[uses if uses < CLASSES else CLASSES][
                     age_bin if age_bin < last_bin else last_bin
-                ] += 1
+                ] += 1.0
         for parent in parents:
             if (
                 parent is not None

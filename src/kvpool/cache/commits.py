@@ -39,12 +39,13 @@ class Commits(RequestState):
             tokens = token_list("tokens", tokens)
         count = len(tokens)
         committed = self._committed + count
-        if count == 1 and type(tokens[0]) is int and 0 <= tokens[0] < MAX_TOKEN:
+        token = tokens[0] if count == 1 else None  # (one read: a generic one when compiled)
+        if type(token) is int and 0 <= token < MAX_TOKEN:
             if committed > self._capacity:
                 self._refuse_commit(count)
             tail = self._tail
             if len(tail) + 1 < self._tpb:  # a decode step that fills no block: kept short
-                tail.append(tokens[0])
+                tail.append(token)
                 self._committed = committed
                 if committed > self._history:
                     self._history = committed

@@ -56,10 +56,10 @@ class Allocation(Planning):
         if allocator.num_free_slots < count:
             self.make_room(level, pool_group, count)
         spare, owners = self._spare_pages, self.pages[level][pool_group]
-        on_device = self.levels[level].pool_groups[pool_group].on_device
         pages = []
         for slot in allocator.allocate_multiple(count):
             if slot.ready_event is not None:  # a copy from it may still run: let it finish
+                on_device = self.levels[level].pool_groups[pool_group].on_device
                 wait_before(slot.ready_event, on_device)  # (the engine's kernels write it)
                 slot.ready_event = None
             if spare:

@@ -206,6 +206,6 @@ class Ownership(StorageState):
         if page.queued:
             self.queues[page.level][page.pool_group].remove(page)
         del self.pages[page.level][page.pool_group][slot.slot_id]
-        self.levels[page.level].pool_groups[page.pool_group].allocator.release(slot)
+        self.allocators[page.level][page.pool_group].release(slot)
         page.slot = None
         self._spare_pages.append(page)
