@@ -156,3 +156,39 @@ def test_encode_tokens_refuses_by_name_what_encode_ints_leaves():
     digest = b"d" * 32
     assert encode_tokens([1, digest]) == (1).to_bytes(4, "little") + b"\xff" * 4 + digest
     assert encode_tokens(np.arange(3)) == encode_tokens([0, 1, 2])
+
+
+class Meddler:
+    """A token whose `__index__` changes the list being encoded (adversarial input)."""
+
+    def __init__(self, tokens: list, value: int) -> None:
+        self.tokens, self.value = tokens, value
+
+    def __index__(self) -> int:
+        self.tokens.clear()
+        self.tokens.extend(range(10_000))  # (the list's storage moves)
+        return self.value
+
+
+class Refuser:
+    def __index__(self) -> int:
+        raise ValueError("no")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_encode_ints_reads_a_snapshot_when_a_token_runs_code(impl):
+    tokens: list = [1, 2]
+    tokens.append(Meddler(tokens, 7))
+    tokens += [3, 4]
+    assert impl.encode_ints(tokens) == b"".join(v.to_bytes(4, "little") for v in (1, 2, 7, 3, 4))
+    assert len(tokens) == 10_000  # (it did run)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_encode_ints_lets_an_error_other_than_not_an_integer_through(impl):
+    import enum
+
+    with pytest.raises(ValueError, match="no"):
+        impl.encode_ints([1, Refuser()])
+    Size = enum.IntEnum("Size", {"A": 5})
+    assert impl.encode_ints([Size.A, 6]) == (5).to_bytes(4, "little") + (6).to_bytes(4, "little")

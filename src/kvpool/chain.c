@@ -14,8 +14,58 @@ OpenSSL's (the library hashlib uses), so the keys are the same bytes on both bac
 #define KEY_BYTES 32
 #define MAX_TOKEN 0x80000000L
 
+/* Write `value` as 4 little-endian bytes at p; 0, or -1 when it is no token (< 0 or >= 2**31). */
+static int put_token(unsigned char *p, long value, int overflow) {
+    if (overflow || value < 0 || value >= MAX_TOKEN) {
+        return -1;
+    }
+    p[0] = (unsigned char)value;
+    p[1] = (unsigned char)(value >> 8);
+    p[2] = (unsigned char)(value >> 16);
+    p[3] = (unsigned char)(value >> 24);
+    return 0;
+}
+
+/* encode_ints of a sequence holding something other than exact ints: on a snapshot (a tuple
+   holding its items), as `__index__` may run any code, the list's own changes included. A
+   TypeError (not an integer) is None, as in the reference; any other error propagates. */
+static PyObject *encode_ints_slow(PyObject *tokens) {
+    PyObject *snapshot = PySequence_Tuple(tokens);
+    if (snapshot == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(snapshot);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 4 * n);
+    if (out == NULL) {
+        Py_DECREF(snapshot);
+        return NULL;
+    }
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++, p += 4) {
+        PyObject *token = PyTuple_GET_ITEM(snapshot, i);
+        int overflow = 0;
+        long value = PyBool_Check(token) ? -1 : PyLong_AsLongAndOverflow(token, &overflow);
+        if (value == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+                Py_DECREF(snapshot);
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyErr_Clear(); /* not an integer: the caller's general path says which token */
+        }
+        if (put_token(p, value, overflow) < 0) {
+            Py_DECREF(snapshot);
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+    }
+    Py_DECREF(snapshot);
+    return out;
+}
+
 /* encode_ints(tokens) -> bytes | None: 4-byte little-endian ints, or None unless `tokens` is a
-   list or tuple of integers (int, or any type with __index__, but not bool) in [0, 2**31). */
+   list or tuple of integers (int, or any type with __index__, but not bool) in [0, 2**31).
+   Exact ints (the usual case) are read in place: no Python code runs while the list is read. */
 static PyObject *encode_ints(PyObject *self, PyObject *tokens) {
     (void)self;
     if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens)) {
@@ -28,22 +78,18 @@ static PyObject *encode_ints(PyObject *self, PyObject *tokens) {
         return NULL;
     }
     unsigned char *p = (unsigned char *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++, p += 4) {
         PyObject *token = items[i];
-        int overflow = 0;
-        long value = PyBool_Check(token) ? -1 : PyLong_AsLongAndOverflow(token, &overflow);
-        if (value == -1 && PyErr_Occurred()) {
-            PyErr_Clear(); /* not an integer: the caller's general path says which token */
+        if (!PyLong_CheckExact(token)) {
+            Py_DECREF(out);
+            return encode_ints_slow(tokens);
         }
-        if (overflow || value < 0 || value >= MAX_TOKEN) {
+        int overflow = 0;
+        long value = PyLong_AsLongAndOverflow(token, &overflow);
+        if (put_token(p, value, overflow) < 0) {
             Py_DECREF(out);
             Py_RETURN_NONE;
         }
-        p[0] = (unsigned char)value;
-        p[1] = (unsigned char)(value >> 8);
-        p[2] = (unsigned char)(value >> 16);
-        p[3] = (unsigned char)(value >> 24);
-        p += 4;
     }
     return out;
 }
