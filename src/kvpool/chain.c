@@ -94,20 +94,21 @@ static PyObject *encode_ints(PyObject *self, PyObject *tokens) {
     return out;
 }
 
-/* Parse (key: bytes of 32, data: bytes, block_bytes: int > 0) and check that data holds whole
-   blocks; the block count goes to *count. */
+/* Parse (key: bytes of 32, data: bytes, block_bytes: int > 0), checking that data holds whole
+   blocks: the key is copied into `key` (the chain's running key), the blocks' start goes to
+   *blocks and their count to *count. */
 static int parse_run(PyObject *const *args, Py_ssize_t nargs, const char *name, Py_ssize_t want,
-                     Py_buffer *key, Py_buffer *data, Py_ssize_t *block_bytes,
-                     Py_ssize_t *count) {
+                     unsigned char key[KEY_BYTES], const unsigned char **blocks,
+                     Py_ssize_t *block_bytes, Py_ssize_t *count) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
         return -1;
     }
-    if (!PyBytes_Check(args[0]) || PyBytes_GET_SIZE(args[0]) != KEY_BYTES) {
+    if (!PyBytes_CheckExact(args[0]) || PyBytes_GET_SIZE(args[0]) != KEY_BYTES) {
         PyErr_Format(PyExc_ValueError, "%s: key must be %d bytes", name, KEY_BYTES);
         return -1;
     }
-    if (!PyBytes_Check(args[1])) {
+    if (!PyBytes_CheckExact(args[1])) {
         PyErr_Format(PyExc_TypeError, "%s: data must be bytes", name);
         return -1;
     }
@@ -120,10 +121,9 @@ static int parse_run(PyObject *const *args, Py_ssize_t nargs, const char *name, 
                      name);
         return -1;
     }
-    key->buf = PyBytes_AS_STRING(args[0]);
-    data->buf = PyBytes_AS_STRING(args[1]);
-    data->len = PyBytes_GET_SIZE(args[1]);
-    *count = data->len / *block_bytes;
+    memcpy(key, PyBytes_AS_STRING(args[0]), KEY_BYTES);
+    *blocks = (const unsigned char *)PyBytes_AS_STRING(args[1]);
+    *count = PyBytes_GET_SIZE(args[1]) / *block_bytes;
     return 0;
 }
 
@@ -140,14 +140,12 @@ static void next_key(unsigned char key[KEY_BYTES], const unsigned char *block, s
    and the blocks themselves (each a bytes object). */
 static PyObject *chain_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    Py_buffer key_in, data;
+    unsigned char key[KEY_BYTES];
+    const unsigned char *block;
     Py_ssize_t block_bytes, count;
-    if (parse_run(args, nargs, "chain_blocks", 3, &key_in, &data, &block_bytes, &count) < 0) {
+    if (parse_run(args, nargs, "chain_blocks", 3, key, &block, &block_bytes, &count) < 0) {
         return NULL;
     }
-    unsigned char key[KEY_BYTES];
-    memcpy(key, key_in.buf, KEY_BYTES);
-    const unsigned char *block = (const unsigned char *)data.buf;
     PyObject *keys = PyList_New(count), *datas = PyList_New(count);
     if (keys == NULL || datas == NULL) {
         goto fail;
@@ -180,9 +178,10 @@ fail:
    holds for the chained keys of data's blocks, from the first on, up to the first key it lacks. */
 static PyObject *walk_index(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    Py_buffer key_in, data;
+    unsigned char key[KEY_BYTES];
+    const unsigned char *block;
     Py_ssize_t block_bytes, count;
-    if (parse_run(args, nargs, "walk_index", 4, &key_in, &data, &block_bytes, &count) < 0) {
+    if (parse_run(args, nargs, "walk_index", 4, key, &block, &block_bytes, &count) < 0) {
         return NULL;
     }
     PyObject *index = args[3];
@@ -190,9 +189,6 @@ static PyObject *walk_index(PyObject *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "walk_index: index must be a dict");
         return NULL;
     }
-    unsigned char key[KEY_BYTES];
-    memcpy(key, key_in.buf, KEY_BYTES);
-    const unsigned char *block = (const unsigned char *)data.buf;
     PyObject *found = PyList_New(0);
     if (found == NULL) {
         return NULL;
