@@ -10,6 +10,7 @@ NATIVE_MODULES = (
     "stats.py",
     "page_table.py",
     "radix.py",
+    "page_list.py",
     "eviction.py",
     "policies.py",
     "storage/slots.py",

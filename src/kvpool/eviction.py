@@ -1,7 +1,8 @@
 """Prioritized LRU of evictable pages, one per (level, pool group).
 
-Lowest priority first, then least recently pushed. Push, remove and pop are O(1) (an ordered dict
-per priority, plus a sorted list of the priorities in use, at most 101).
+Lowest priority first, then least recently pushed. Push, remove and pop are O(1) (a list of pages
+linked through the pages, `kvpool.page_list`, per priority, plus a sorted list of the priorities in
+use, at most 101).
 
 Under an eviction policy other than LRU (`kvpool.policies`) the last level's queues are
 `ClassedQueue`s: the default-priority pages the policy classes sit in one list per class (in
@@ -11,11 +12,11 @@ release order), and the policy's scores decide which class gives up its oldest l
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
 from collections.abc import Iterator, Set
 from itertools import islice
 
 from kvpool.errors import CorruptedError, OutOfPagesError
+from kvpool.page_list import PageList
 from kvpool.policies import EvictionPolicy
 from kvpool.records import DEFAULT_PRIORITY, Page
 
@@ -24,7 +25,7 @@ class EvictionQueue:
     """Evictable pages of one pool group at one level."""
 
     def __init__(self) -> None:
-        self._lists: dict[int, OrderedDict[Page, None]] = {}
+        self._lists: dict[int, PageList] = {}
         self._priorities: list[int] = []  # sorted; only priorities with pages
         self._len = 0
 
@@ -40,7 +41,7 @@ class EvictionQueue:
         """The next `count` pages to evict (fewer if the queue is shorter), without removing them."""
         pages: list[Page] = []
         for priority in self._priorities:
-            pages += islice(self._lists[priority], count - len(pages))
+            self._lists[priority].take(count - len(pages), pages)
             if len(pages) >= count:
                 break
         return pages
@@ -50,9 +51,9 @@ class EvictionQueue:
         assert not page.queued, page
         pages = self._lists.get(page.priority)
         if pages is None:
-            pages = self._lists[page.priority] = OrderedDict()
+            pages = self._lists[page.priority] = PageList()
             bisect.insort(self._priorities, page.priority)
-        pages[page] = None
+        pages.append(page)
         page.queued = True
         self._len += 1
 
@@ -63,9 +64,9 @@ class EvictionQueue:
             assert not page.queued, page
             bucket = lists.get(page.priority)
             if bucket is None:
-                bucket = lists[page.priority] = OrderedDict()
+                bucket = lists[page.priority] = PageList()
                 bisect.insort(self._priorities, page.priority)
-            bucket[page] = None
+            bucket.append(page)
             page.queued = True
         self._len += len(pages)
 
@@ -73,17 +74,17 @@ class EvictionQueue:
         """`remove` each page (all queued here)."""
         lists = self._lists
         for page in pages:
-            del lists[page.priority][page]
+            lists[page.priority].remove(page)
             page.queued = False
         self._len -= len(pages)
         for priority in tuple(self._priorities):
-            if not lists[priority]:
+            if not lists[priority].size:
                 self._forget(priority)
 
     def remove(self, page: Page) -> None:
         pages = self._lists[page.priority]
-        del pages[page]
-        if not pages:
+        pages.remove(page)
+        if not pages.size:
             self._forget(page.priority)
         page.queued = False
         self._len -= 1
@@ -94,8 +95,8 @@ class EvictionQueue:
             raise OutOfPagesError("no evictable page")
         priority = self._priorities[0]
         pages = self._lists[priority]
-        page, _ = pages.popitem(last=False)
-        if not pages:
+        page = pages.popleft()
+        if not pages.size:
             self._forget(priority)
         page.queued = False
         self._len -= 1
@@ -108,9 +109,12 @@ class EvictionQueue:
     def check_invariants(self) -> None:
         """Raise `CorruptedError` unless every page sits in its own priority's list, once."""
         problems = []
-        if self._priorities != sorted(self._lists) or any(not self._lists[p] for p in self._lists):
+        if self._priorities != sorted(self._lists) or any(
+            not self._lists[p].size for p in self._lists
+        ):
             problems.append(f"priorities {self._priorities} do not match the lists")
         for priority, pages in self._lists.items():
+            problems += pages.problems()
             for page in pages:
                 if page.priority != priority or not page.queued:
                     problems.append(f"{page} (priority {page.priority}) is in list {priority}")
@@ -126,14 +130,6 @@ class EvictionQueue:
 
     def _class_problems(self) -> list[str]:
         return []
-
-
-def _next_or_none(cursor: Iterator[Page]) -> Page | None:
-    """`next(cursor, None)` (compiled, a direct call: the builtin with a default is looked up
-    and called generically)."""
-    for page in cursor:
-        return page
-    return None
 
 
 def _is_leaf(page: Page, going: Set[Page]) -> bool:
@@ -168,7 +164,7 @@ class ClassedQueue(EvictionQueue):
     def __init__(self, policy: EvictionPolicy, classes: int) -> None:
         super().__init__()
         self.policy = policy
-        self._classes: list[OrderedDict[Page, None]] = [OrderedDict() for _ in range(classes + 1)]
+        self._classes: list[PageList] = [PageList() for _ in range(classes + 1)]
         self._interior: dict[Page, None] = {}  # classed pages set aside: not leaves
         self._classed = 0  # queued classed pages (in a list or aside)
 
@@ -179,7 +175,7 @@ class ClassedQueue(EvictionQueue):
             return
         assert not page.queued, page
         page.klass = klass
-        self._classes[klass][page] = None
+        self._classes[klass].append(page)
         page.queued = True
         self._classed += 1
         self._len += 1
@@ -196,7 +192,7 @@ class ClassedQueue(EvictionQueue):
                 continue
             assert not page.queued, page
             page.klass = klass
-            lists[klass][page] = None
+            lists[klass].append(page)
             page.queued = True
             classed += 1
         self._classed += classed
@@ -213,7 +209,7 @@ class ClassedQueue(EvictionQueue):
         if page in self._interior:
             del self._interior[page]
         else:
-            del self._classes[klass][page]
+            self._classes[klass].remove(page)
         page.queued = False
         page.klass = 0
         self._classed -= 1
@@ -232,7 +228,7 @@ class ClassedQueue(EvictionQueue):
             if interior and page in interior:
                 del interior[page]
             else:
-                del lists[klass][page]
+                lists[klass].remove(page)
             page.queued = False
             page.klass = 0
             classed += 1
@@ -246,9 +242,7 @@ class ClassedQueue(EvictionQueue):
                     above = parent.pages[page.layer_group]
                     if above is not None and above in interior:
                         del interior[above]
-                        head = lists[above.klass]
-                        head[above] = None
-                        head.move_to_end(above, last=False)  # (it was the oldest there)
+                        lists[above.klass].appendleft(above)  # (it was the oldest there)
 
     def pop(self) -> Page:
         victims = self.oldest(1)
@@ -271,7 +265,7 @@ class ClassedQueue(EvictionQueue):
                 band_done = True
             if len(pages) >= count:
                 return pages
-            pages += islice(self._lists[priority], count - len(pages))
+            self._lists[priority].take(count - len(pages), pages)
         if not band_done:
             pages += self._take_classed(count - len(pages))
         return pages
@@ -292,7 +286,7 @@ class ClassedQueue(EvictionQueue):
         """The next `count` classed pages to evict, as the policy scores them (left queued).
 
         The lists are only read while the victims are picked: per class a cursor walks its
-        list from the head, and a stack (`fronts`) holds the parents that became leaves in
+        list from the head (`nexts`: its page), and a stack (`fronts`) holds the parents that became leaves in
         this batch (they come before the cursor's page: they were older). Afterwards
         `_settle_batch` leaves a list whose cursor only took leaves as it was (its picked
         pages are its first ones, in order: the usual case) and rearranges the others as if
@@ -301,8 +295,7 @@ class ClassedQueue(EvictionQueue):
         classes = len(lists)
         pages: list[Page] = []
         going: set[Page] = set()
-        cursors = [iter(pages_of) for pages_of in lists]
-        nexts: list[Page | None] = [_next_or_none(cursor) for cursor in cursors]
+        nexts: list[Page | None] = [pages_of.first for pages_of in lists]
         fronts: list[list[Page]] = [[] for _ in range(classes)]
         passed: list[list[Page]] = [[] for _ in range(classes)]  # non-leaves a cursor passed
         touched = [False] * classes  # a cursor passed a non-leaf, or a front page was picked
@@ -328,7 +321,7 @@ class ClassedQueue(EvictionQueue):
                 interior[later] = None
                 passed[klass].append(later)
                 touched[klass] = True
-                later = nexts[klass] = _next_or_none(cursors[klass])
+                later = nexts[klass] = later.after
             heads[klass] = None
 
         for klass in range(1, classes):
@@ -362,14 +355,14 @@ class ClassedQueue(EvictionQueue):
                     front.pop()
                     touched[best] = True
                     above = self._parent_aside(page)  # (a leaf once this one goes?)
-                else:
-                    nexts[best] = _next_or_none(cursors[best])
+                else:  # (the cursor's page)
+                    nexts[best] = page.after
                     above = self._parent_aside(page)  # (a leaf once this one goes?)
                     if above is None and by_age:
                         # The pages after it used at the same time score the same: the same
                         # choice follows for each, while nothing else changes.
                         nexts[best], above = self._take_run(
-                            cursors[best], nexts[best], chosen[1], pages, going, count
+                            page.after, chosen[1], pages, going, count
                         )
                 if above is not None:
                     fronts[above.klass].append(above)
@@ -384,16 +377,15 @@ class ClassedQueue(EvictionQueue):
 
     def _take_run(
         self,
-        cursor: Iterator[Page],
         page: Page | None,
         used_at: float,
         pages: list[Page],
         going: set[Page],
         count: int,
     ) -> tuple[Page | None, Page | None]:
-        """Add to `pages` (and `going`) `page` and the ones after it in `cursor` while they
+        """Add to `pages` (and `going`) `page` and the ones after it in its list while they
         are leaves last used at `used_at`, up to `count` pages or a parent set aside (which
-        may be a leaf now). Returns the cursor's next page and that parent (or None)."""
+        may be a leaf now). Returns the list's next page and that parent (or None)."""
         interior = self._interior
         append, add = pages.append, going.add
         room = count - len(pages)
@@ -416,8 +408,8 @@ class ClassedQueue(EvictionQueue):
                 above = parent.pages[page.layer_group] if parent is not None else None
                 if above is not None and above in interior:
                     del interior[above]
-                    return _next_or_none(cursor), above
-            page = _next_or_none(cursor)
+                    return page.after, above
+            page = page.after
         return page, None
 
     def _settle_batch(
@@ -435,19 +427,16 @@ class ClassedQueue(EvictionQueue):
         for klass, aside in enumerate(passed):
             for page in aside:
                 if page in interior:
-                    del lists[klass][page]
+                    lists[klass].remove(page)
         for klass, front in enumerate(fronts):
             if front:
                 touched[klass] = True
                 head = lists[klass]
                 for page in front:
-                    head[page] = None
-                    head.move_to_end(page, last=False)
+                    head.move_to_front(page)
         for page in reversed(pages):
             if touched[page.klass]:
-                head = lists[page.klass]
-                head[page] = None
-                head.move_to_end(page, last=False)
+                lists[page.klass].move_to_front(page)
 
     def _num_classed(self) -> int:
         return self._classed
@@ -458,6 +447,7 @@ class ClassedQueue(EvictionQueue):
         if listed != self._classed:
             problems.append(f"{listed} classed pages listed != {self._classed}")
         for klass, pages in enumerate(self._classes):
+            problems += pages.problems()
             for page in pages:
                 if page.klass != klass or page.priority != DEFAULT_PRIORITY or not page.queued:
                     problems.append(f"{page} (class {page.klass}) is in class list {klass}")

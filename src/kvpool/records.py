@@ -36,6 +36,8 @@ class Page:
     """Ownership record of one slot; the `StorageManager` changes the counts."""
 
     __slots__ = (
+        "after",
+        "before",
         "block",
         "holds",
         "klass",
@@ -67,6 +69,9 @@ class Page:
         self.priority = DEFAULT_PRIORITY
         self.queued = False  # in its (level, pool group) eviction queue
         self.klass = 0  # its eviction policy class there (`kvpool.policies`; 0: none)
+        # Its neighbours in its eviction list (`kvpool.page_list`), while it is in one:
+        self.before: Page | None = None
+        self.after: Page | None = None
 
     @property
     def slot_id(self) -> int:
