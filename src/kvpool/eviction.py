@@ -132,6 +132,13 @@ class EvictionQueue:
         return []
 
 
+def _used_at(page: Page) -> int:
+    """When `page`'s block was last used (a queued classed page is committed)."""
+    block = page.block
+    assert block is not None
+    return block.used_at
+
+
 def _is_leaf(page: Page, going: Set[Page]) -> bool:
     """No child block holds a page of `page`'s layer group (other than pages in `going`):
     dropping it drops nothing else."""
@@ -165,7 +172,9 @@ class ClassedQueue(EvictionQueue):
         super().__init__()
         self.policy = policy
         self._classes: list[PageList] = [PageList() for _ in range(classes + 1)]
-        self._interior: dict[Page, None] = {}  # classed pages set aside: not leaves
+        # Classed pages set aside (not leaves), in the order they were; `Page.aside` says
+        # whether a page is here (a flag: no hash probe per page removed).
+        self._interior: dict[Page, None] = {}
         self._classed = 0  # queued classed pages (in a list or aside)
 
     def push(self, page: Page) -> None:
@@ -206,8 +215,9 @@ class ClassedQueue(EvictionQueue):
             super().remove(page)
             return
         assert page.queued, page
-        if page in self._interior:
+        if page.aside:
             del self._interior[page]
+            page.aside = False
         else:
             self._classes[klass].remove(page)
         page.queued = False
@@ -225,8 +235,9 @@ class ClassedQueue(EvictionQueue):
                 super().remove(page)
                 continue
             assert page.queued, page
-            if interior and page in interior:
+            if page.aside:
                 del interior[page]
+                page.aside = False
             else:
                 lists[klass].remove(page)
             page.queued = False
@@ -240,8 +251,9 @@ class ClassedQueue(EvictionQueue):
                 parent = block.parent if block is not None else None
                 if parent is not None:
                     above = parent.pages[page.layer_group]
-                    if above is not None and above in interior:
+                    if above is not None and above.aside:
                         del interior[above]
+                        above.aside = False
                         lists[above.klass].appendleft(above)  # (it was the oldest there)
 
     def pop(self) -> Page:
@@ -277,8 +289,9 @@ class ClassedQueue(EvictionQueue):
         parent = block.parent if block is not None else None
         if parent is not None:
             above = parent.pages[page.layer_group]
-            if above is not None and above in self._interior:
+            if above is not None and above.aside:
                 del self._interior[above]
+                above.aside = False
                 return above
         return None
 
@@ -300,7 +313,7 @@ class ClassedQueue(EvictionQueue):
         passed: list[list[Page]] = [[] for _ in range(classes)]  # non-leaves a cursor passed
         touched = [False] * classes  # a cursor passed a non-leaf, or a front page was picked
         # per class: its head's (score, last use, uncertainty, page), or None
-        heads: list[tuple[float, float, float, Page] | None] = [None] * classes
+        heads: list[tuple[float, int, float, Page] | None] = [None] * classes
 
         def refresh(klass: int) -> None:
             front = fronts[klass]
@@ -308,17 +321,19 @@ class ClassedQueue(EvictionQueue):
                 page = front[-1]
                 if _is_leaf(page, going):
                     value, error = score(page)
-                    heads[klass] = (value, page.block.used_at, error, page)  # type: ignore[union-attr]
+                    heads[klass] = (value, _used_at(page), error, page)
                     return
                 front.pop()
                 interior[page] = None
+                page.aside = True
             later = nexts[klass]
             while later is not None:
                 if _is_leaf(later, going):
                     value, error = score(later)
-                    heads[klass] = (value, later.block.used_at, error, later)  # type: ignore[union-attr]
+                    heads[klass] = (value, _used_at(later), error, later)
                     return
                 interior[later] = None
+                later.aside = True
                 passed[klass].append(later)
                 touched[klass] = True
                 later = nexts[klass] = later.after
@@ -378,7 +393,7 @@ class ClassedQueue(EvictionQueue):
     def _take_run(
         self,
         page: Page | None,
-        used_at: float,
+        used_at: int,
         pages: list[Page],
         going: set[Page],
         count: int,
@@ -387,27 +402,28 @@ class ClassedQueue(EvictionQueue):
         are leaves last used at `used_at`, up to `count` pages or a parent set aside (which
         may be a leaf now). Returns the list's next page and that parent (or None)."""
         interior = self._interior
-        append, add = pages.append, going.add
         room = count - len(pages)
         while page is not None and room:
             block = page.block
-            if block.used_at != used_at:  # type: ignore[union-attr]  # (queued: committed)
+            assert block is not None  # (queued: committed)
+            if block.used_at != used_at:
                 break
-            kids = block.kids  # type: ignore[union-attr]
+            kids = block.kids
             if kids is not None:
                 if isinstance(kids, dict):
                     if not _is_leaf(page, going):
                         break
                 elif (kid := kids.pages[page.layer_group]) is not None and kid not in going:
                     break
-            append(page)
-            add(page)
+            pages.append(page)
+            going.add(page)
             room -= 1
             if interior:  # (else no parent waits aside)
-                parent = block.parent  # type: ignore[union-attr]
+                parent = block.parent
                 above = parent.pages[page.layer_group] if parent is not None else None
-                if above is not None and above in interior:
+                if above is not None and above.aside:
                     del interior[above]
+                    above.aside = False
                     return page.after, above
             page = page.after
         return page, None
@@ -423,10 +439,10 @@ class ClassedQueue(EvictionQueue):
         wait aside); in a class whose cursor passed one, or whose front pages were picked or
         are left, the parents exposed and not picked go to the head (the latest first), and
         the picked pages before them, in order."""
-        lists, interior = self._classes, self._interior
+        lists = self._classes
         for klass, aside in enumerate(passed):
             for page in aside:
-                if page in interior:
+                if page.aside:
                     lists[klass].remove(page)
         for klass, front in enumerate(fronts):
             if front:
@@ -449,9 +465,16 @@ class ClassedQueue(EvictionQueue):
         for klass, pages in enumerate(self._classes):
             problems += pages.problems()
             for page in pages:
-                if page.klass != klass or page.priority != DEFAULT_PRIORITY or not page.queued:
+                if (
+                    page.klass != klass
+                    or page.priority != DEFAULT_PRIORITY
+                    or not page.queued
+                    or page.aside
+                ):
                     problems.append(f"{page} (class {page.klass}) is in class list {klass}")
         for page in self._interior:
+            if not page.aside:
+                problems.append(f"{page} is set aside without its flag")
             if not page.klass or page.priority != DEFAULT_PRIORITY or not page.queued:
                 problems.append(f"{page} (class {page.klass}) is set aside")
         return problems

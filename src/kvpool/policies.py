@@ -258,15 +258,20 @@ class HazardPolicy(EvictionPolicy):
     def classify(self, page: Page) -> int:
         if not self.width:
             return 0
-        return use_class(page.block)  # type: ignore[arg-type]  # (queued pages are committed)
+        block = page.block
+        assert block is not None  # (queued pages are committed)
+        return use_class(block)
 
     def classify_all(self, pages: Sequence[Page]) -> list[int]:
         if not self.width:
             return [0] * len(pages)
-        return [
-            uses if (uses := page.block.uses) < CLASSES else CLASSES  # type: ignore[union-attr]
-            for page in pages
-        ]
+        classes = []
+        for page in pages:
+            block = page.block
+            assert block is not None  # (queued pages are committed)
+            uses = block.uses
+            classes.append(uses if uses < CLASSES else CLASSES)
+        return classes
 
     def scorer(self) -> Callable[[Page], tuple[float, float]]:
         if not self.width:  # (nothing was classed)
@@ -276,7 +281,9 @@ class HazardPolicy(EvictionPolicy):
         errors = self._errors
 
         def score(page: Page) -> tuple[float, float]:
-            position = int((now - page.block.used_at) * per_bin)  # type: ignore[union-attr]
+            block = page.block
+            assert block is not None  # (queued pages are committed)
+            position = int((now - block.used_at) * per_bin)
             if position >= size:
                 return 0.0, 0.0
             return scores[page.klass][position], errors[page.klass][position]

@@ -37,6 +37,7 @@ class Page:
 
     __slots__ = (
         "after",
+        "aside",
         "before",
         "block",
         "holds",
@@ -72,6 +73,7 @@ class Page:
         # Its neighbours in its eviction list (`kvpool.page_list`), while it is in one:
         self.before: Page | None = None
         self.after: Page | None = None
+        self.aside = False  # set aside by its queue (a classed page that is not a leaf)
 
     @property
     def slot_id(self) -> int:
