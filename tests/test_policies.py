@@ -238,7 +238,7 @@ def learned_policy() -> HazardPolicy:
         once.in_tree = False
         policy.dropped([once], [root])  # a ghost now
     for _ in range(40):
-        policy.ghosts.pop(next(iter(policy.ghosts)))  # (forgotten: counted by hand below)
+        policy.ghosts.forget(1)  # (forgotten: counted by hand below)
         policy._count(1, 68, reused=False)
     assert sum(policy.reuses[2]) == 40 and policy.reuses[2][3] == 40
     assert sum(policy.reuses[1]) == 0 and policy.ended[1][8] == 40
@@ -294,7 +294,7 @@ def test_a_dropped_block_that_comes_back_counts_as_a_reuse_at_its_age_and_keeps_
     back = Block(gone.key, root, b"", TPB, [None])
     policy.now = 170
     policy.inserted([back])  # back after 20 blocks of traffic: bin 2
-    assert policy.reuses[2][2] == before + 1 and gone.key not in policy.ghosts
+    assert policy.reuses[2][2] == before + 1 and policy.ghost(gone.key) is None
     assert back.uses == 3 and back.used_at == 170 and policy.now == 171
     # More ghosts than 8 per block of capacity: the oldest are forgotten, counted as ended.
     ended = sum(policy.ended[1])
@@ -304,8 +304,8 @@ def test_a_dropped_block_that_comes_back_counts_as_a_reuse_at_its_age_and_keeps_
         leaf.in_tree = False
         policy.dropped([leaf], [None])
     assert len(policy.ghosts) == 80 and sum(policy.ended[1]) == ended + 5
-    assert (3004).to_bytes(32, "big") not in policy.ghosts  # the oldest went
-    assert next(iter(policy.ghosts)) == (3005).to_bytes(32, "big")
+    assert policy.ghost((3004).to_bytes(32, "big")) is None  # the oldest went
+    assert policy.ghosts.items()[0][0] == (3005).to_bytes(32, "big")
 
 
 def shared_documents(seconds: int) -> list[tuple[float, list[int]]]:
@@ -580,12 +580,12 @@ def test_a_drop_starts_each_new_candidate_once_in_its_age_bin_and_censors_forgot
         filler.candidate, filler.in_tree = True, False
         policy.dropped([filler], [None])
     ended = [row[:] for row in policy.ended]
-    oldest_key = next(iter(policy.ghosts))
+    oldest_key = policy.ghosts.items()[0][0]
     oldest_used_at, oldest_uses = policy.ghost(oldest_key)
     extra = block(7000, uses=1, used_at=125)
     extra.candidate, extra.in_tree = True, False
     policy.dropped([extra], [None])
-    assert oldest_key not in policy.ghosts and len(policy.ghosts) == policy.ghost_limit
+    assert policy.ghost(oldest_key) is None and len(policy.ghosts) == policy.ghost_limit
     age_bin = min((125 - oldest_used_at) // 8, 9)
     ended[min(oldest_uses, CLASSES)][age_bin] += 1
     assert policy.ended == ended

@@ -33,10 +33,11 @@ NATIVE_MODULES = (
     "manager/manager.py",
 )
 
-C_MODULES = ("chain.py",)
+C_MODULES = ("chain.py", "ghosts.py")
 """Modules whose native form is hand-written C, `chain.c` beside `chain.py` (the reference): what
-mypyc cannot make fast because the time goes to CPython objects per block, done in one C call
-per run of blocks. Built and selected with the compiled modules above."""
+mypyc cannot make fast because the time goes to CPython objects per block (block keys: one C
+call per run of blocks; the ghost table: no Python node or int per entry). Built and selected
+with the compiled modules above."""
 
 STAMP = "_native_stamp.txt"
 """Written next to the compiled modules by the build: the digest of the sources they were

@@ -58,7 +58,6 @@ See `benchmarks/eviction_study.py` and the README for what they reach on the Moo
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Final
 
@@ -66,6 +65,7 @@ from mypy_extensions import mypyc_attr
 
 from kvpool.config import EVICTION_POLICIES
 from kvpool.errors import ConfigError
+from kvpool.ghosts import GhostTable
 from kvpool.records import Block, Page
 
 CLASSES: Final = 3  # use counts 1, 2 and 3 or more
@@ -150,11 +150,9 @@ class HazardPolicy(EvictionPolicy):
         self.started = [[0.0] * bins for _ in range(CLASSES + 1)]
         self.ended = [[0.0] * bins for _ in range(CLASSES + 1)]
         self.reuses = [[0.0] * bins for _ in range(CLASSES + 1)]
-        # block key -> (last use, uses) packed in one int, oldest first (an OrderedDict: a plain
-        # dict's first item costs O(deleted items) to find, and the oldest ghost is dropped at
-        # every drop; the key itself, not its salted hash(), so no process's hash seed can
-        # matter; one int, not a tuple: no object for the collector per ghost)
-        self.ghosts: OrderedDict[bytes, int] = OrderedDict()
+        # block key -> (last use, uses) packed in one int, oldest first (`kvpool.ghosts`; the
+        # key itself, not its salted hash(), so no process's hash seed can matter)
+        self.ghosts = GhostTable()
         self.now = 0  # the clock: blocks requests used or committed so far
         self.first_insert: int | None = None
         self.inserts = 0  # new blocks so far
@@ -191,9 +189,8 @@ class HazardPolicy(EvictionPolicy):
                 self._end(block, now, reused=True)
             elif not block.uses:  # new in the tree
                 new += 1
-                key = block.key
-                if key in ghosts:  # back after it was dropped (a test is cheaper than a pop)
-                    ghost = ghosts.pop(key)
+                ghost = ghosts.take(block.key)
+                if ghost >= 0:  # back after it was dropped
                     used_at, uses = ghost >> GHOST_SHIFT, ghost & GHOST_USES
                     self._count(min(uses, CLASSES), now - used_at, reused=True)
                     block.uses = uses
@@ -229,12 +226,11 @@ class HazardPolicy(EvictionPolicy):
                         age_bin if age_bin < last_bin else last_bin
                     ] += 1.0
                 block.candidate = False  # (the ghost carries it)
-                ghosts[block.key] = used_at << GHOST_SHIFT | min(uses, GHOST_USES)
+                ghosts.put(block.key, used_at << GHOST_SHIFT | min(uses, GHOST_USES))
         excess = len(ghosts) - self.ghost_limit
         if excess > 0:  # forget the oldest: censored
-            ended, forget = self.ended, ghosts.popitem
-            for _ in range(excess):
-                ghost = forget(last=False)[1]
+            ended = self.ended
+            for ghost in ghosts.forget(excess):
                 used_at, uses = ghost >> GHOST_SHIFT, ghost & GHOST_USES
                 age_bin = int((now - used_at) / width)
                 ended[uses if uses < CLASSES else CLASSES][
@@ -253,7 +249,7 @@ class HazardPolicy(EvictionPolicy):
     def ghost(self, key: bytes) -> tuple[int, int] | None:
         """The remembered (last use, uses) of a dropped block, or None."""
         value = self.ghosts.get(key)
-        return None if value is None else (value >> GHOST_SHIFT, value & GHOST_USES)
+        return None if value < 0 else (value >> GHOST_SHIFT, value & GHOST_USES)
 
     def classify(self, page: Page) -> int:
         if not self.width:

@@ -1,0 +1,344 @@
+/* kvpool.ghosts, native: the hazard policy's ghost table (ghosts.py beside it is the reference).
+
+Keys (bytes) -> values (C int64) in insertion order, as the reference's OrderedDict keeps them:
+the entries sit in arrays in the order they came (a removed one leaves a hole), and an open-
+addressing index (linear probing on the key's own cached hash, at most half full) maps a key to
+its entry. Forgetting the oldest walks from the first entry that may be live; when the arrays
+fill up, the live entries move to the front (into arrays twice as large when more than half of
+them are live) and the index is rebuilt. The hash only places keys in the index: what a call
+returns, and the order, never depend on it. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define EMPTY (-1)
+#define REMOVED (-2)
+#define MIN_CAPACITY 8
+
+typedef struct {
+    PyObject_HEAD
+    PyObject **keys; /* insertion order; NULL: removed */
+    Py_hash_t *hashes;
+    int64_t *values;
+    Py_ssize_t capacity; /* entry slots */
+    Py_ssize_t head;     /* no live entry before it */
+    Py_ssize_t tail;     /* the next free entry slot */
+    Py_ssize_t live;
+    Py_ssize_t *index; /* mask + 1 slots: EMPTY, REMOVED, or an entry slot */
+    size_t mask;
+} GhostTable;
+
+static int check_key(PyObject *key) {
+    if (!PyBytes_CheckExact(key)) {
+        PyErr_Format(PyExc_TypeError, "key must be bytes, not %s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+static int same_key(PyObject *a, PyObject *b) {
+    Py_ssize_t n = PyBytes_GET_SIZE(a);
+    return a == b || (n == PyBytes_GET_SIZE(b) &&
+                      memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)n) == 0);
+}
+
+/* The entry slot of `key` (hash h), or -1; *where: its index slot. */
+static Py_ssize_t find(GhostTable *t, PyObject *key, Py_hash_t h, size_t *where) {
+    for (size_t i = (size_t)h & t->mask;; i = (i + 1) & t->mask) {
+        Py_ssize_t e = t->index[i];
+        if (e == EMPTY) {
+            return -1;
+        }
+        if (e >= 0 && t->hashes[e] == h && same_key(t->keys[e], key)) {
+            *where = i;
+            return e;
+        }
+    }
+}
+
+/* An index slot for a key known to be absent: the first removed or empty one. */
+static size_t free_slot(GhostTable *t, Py_hash_t h) {
+    size_t i = (size_t)h & t->mask;
+    while (t->index[i] >= 0) {
+        i = (i + 1) & t->mask;
+    }
+    return i;
+}
+
+/* Move the live entries to the front of arrays of `capacity` slots (>= live) and rebuild the
+   index; on failure (no memory) the table is as it was. */
+static int rebuild(GhostTable *t, Py_ssize_t capacity) {
+    size_t slots = 1;
+    while (slots < 2 * (size_t)capacity) {
+        slots <<= 1;
+    }
+    PyObject **keys = PyMem_Malloc(sizeof(PyObject *) * (size_t)capacity);
+    Py_hash_t *hashes = PyMem_Malloc(sizeof(Py_hash_t) * (size_t)capacity);
+    int64_t *values = PyMem_Malloc(sizeof(int64_t) * (size_t)capacity);
+    Py_ssize_t *index = PyMem_Malloc(sizeof(Py_ssize_t) * slots);
+    if (keys == NULL || hashes == NULL || values == NULL || index == NULL) {
+        PyMem_Free(keys);
+        PyMem_Free(hashes);
+        PyMem_Free(values);
+        PyMem_Free(index);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (size_t i = 0; i < slots; i++) {
+        index[i] = EMPTY;
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t e = t->head; e < t->tail; e++) {
+        if (t->keys[e] != NULL) {
+            keys[n] = t->keys[e];
+            hashes[n] = t->hashes[e];
+            values[n] = t->values[e];
+            size_t i = (size_t)hashes[n] & (slots - 1);
+            while (index[i] != EMPTY) {
+                i = (i + 1) & (slots - 1);
+            }
+            index[i] = n++;
+        }
+    }
+    PyMem_Free(t->keys);
+    PyMem_Free(t->hashes);
+    PyMem_Free(t->values);
+    PyMem_Free(t->index);
+    t->keys = keys;
+    t->hashes = hashes;
+    t->values = values;
+    t->index = index;
+    t->mask = slots - 1;
+    t->capacity = capacity;
+    t->head = 0;
+    t->tail = n;
+    return 0;
+}
+
+/* Remove entry e (index slot i); the caller has read what it needs. */
+static void remove_entry(GhostTable *t, Py_ssize_t e, size_t i) {
+    t->index[i] = REMOVED;
+    Py_CLEAR(t->keys[e]);
+    t->live--;
+    if (t->live == 0) { /* (nothing live: start the arrays over) */
+        for (size_t j = 0; j <= t->mask; j++) {
+            t->index[j] = EMPTY;
+        }
+        t->head = t->tail = 0;
+    }
+}
+
+static PyObject *ghosts_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs != NULL && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "GhostTable() takes no arguments");
+        return NULL;
+    }
+    GhostTable *t = (GhostTable *)type->tp_alloc(type, 0);
+    if (t == NULL) {
+        return NULL;
+    }
+    if (rebuild(t, MIN_CAPACITY) < 0) {
+        Py_DECREF(t);
+        return NULL;
+    }
+    return (PyObject *)t;
+}
+
+static void ghosts_dealloc(GhostTable *t) {
+    for (Py_ssize_t e = t->head; e < t->tail; e++) {
+        Py_XDECREF(t->keys[e]);
+    }
+    PyMem_Free(t->keys);
+    PyMem_Free(t->hashes);
+    PyMem_Free(t->values);
+    PyMem_Free(t->index);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static Py_ssize_t ghosts_len(GhostTable *t) { return t->live; }
+
+static PyObject *lookup(GhostTable *t, PyObject *key, int take) {
+    if (check_key(key) < 0) {
+        return NULL;
+    }
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1) {
+        return NULL;
+    }
+    size_t i;
+    Py_ssize_t e = find(t, key, h, &i);
+    if (e < 0) {
+        return PyLong_FromLong(-1);
+    }
+    int64_t value = t->values[e];
+    if (take) {
+        remove_entry(t, e, i);
+    }
+    return PyLong_FromLongLong(value);
+}
+
+static PyObject *ghosts_get(GhostTable *t, PyObject *key) { return lookup(t, key, 0); }
+
+static PyObject *ghosts_take(GhostTable *t, PyObject *key) { return lookup(t, key, 1); }
+
+static PyObject *ghosts_put(GhostTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put(key, value) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *key = args[0];
+    if (check_key(key) < 0) {
+        return NULL;
+    }
+    int overflow = 0;
+    long long value = PyLong_CheckExact(args[1]) ? PyLong_AsLongLongAndOverflow(args[1], &overflow)
+                                                 : -1;
+    if (value == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (overflow || value < 0) {
+        PyObject *repr = PyObject_Repr(args[1]);
+        if (repr != NULL) {
+            PyErr_Format(PyExc_ValueError, "value must be an int in [0, %lld], got %U",
+                         (long long)INT64_MAX, repr);
+            Py_DECREF(repr);
+        }
+        return NULL;
+    }
+    Py_hash_t h = PyObject_Hash(key);
+    if (h == -1) {
+        return NULL;
+    }
+    size_t i;
+    Py_ssize_t e = find(t, key, h, &i);
+    if (e >= 0) { /* (its place stays) */
+        t->values[e] = value;
+        Py_RETURN_NONE;
+    }
+    if (t->tail == t->capacity &&
+        rebuild(t, 2 * t->live >= t->capacity ? 2 * t->capacity : t->capacity) < 0) {
+        return NULL;
+    }
+    e = t->tail++;
+    Py_INCREF(key);
+    t->keys[e] = key;
+    t->hashes[e] = h;
+    t->values[e] = value;
+    t->index[free_slot(t, h)] = e;
+    t->live++;
+    Py_RETURN_NONE;
+}
+
+static PyObject *ghosts_forget(GhostTable *t, PyObject *arg) {
+    int overflow = 0;
+    long long count = PyLong_CheckExact(arg) ? PyLong_AsLongLongAndOverflow(arg, &overflow) : -1;
+    if (count == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (overflow > 0) { /* (more than any table holds) */
+        count = PY_SSIZE_T_MAX;
+    }
+    if (overflow < 0 || count < 0) {
+        PyObject *repr = PyObject_Repr(arg);
+        if (repr != NULL) {
+            PyErr_Format(PyExc_ValueError, "count must be an int >= 0, got %U", repr);
+            Py_DECREF(repr);
+        }
+        return NULL;
+    }
+    if (count > t->live) {
+        count = t->live;
+    }
+    PyObject *values = PyList_New((Py_ssize_t)count);
+    if (values == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t n = 0; n < count; n++) {
+        while (t->keys[t->head] == NULL) {
+            t->head++;
+        }
+        Py_ssize_t e = t->head;
+        PyObject *value = PyLong_FromLongLong(t->values[e]);
+        if (value == NULL) { /* (the entries forgotten so far stay forgotten: return them) */
+            PyObject *done = PyList_GetSlice(values, 0, n);
+            Py_DECREF(values);
+            return done;
+        }
+        PyList_SET_ITEM(values, n, value);
+        size_t i = (size_t)t->hashes[e] & t->mask;
+        while (t->index[i] != e) {
+            i = (i + 1) & t->mask;
+        }
+        remove_entry(t, e, i);
+    }
+    return values;
+}
+
+static PyObject *ghosts_items(GhostTable *t, PyObject *Py_UNUSED(ignored)) {
+    PyObject *items = PyList_New(0);
+    if (items == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t e = t->head; e < t->tail; e++) {
+        if (t->keys[e] == NULL) {
+            continue;
+        }
+        PyObject *item = Py_BuildValue("(OL)", t->keys[e], (long long)t->values[e]);
+        if (item == NULL || PyList_Append(items, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(items);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return items;
+}
+
+static PyMethodDef ghosts_methods[] = {
+    {"get", (PyCFunction)ghosts_get, METH_O, NULL},
+    {"take", (PyCFunction)ghosts_take, METH_O, NULL},
+    {"put", (PyCFunction)(void (*)(void))ghosts_put, METH_FASTCALL, NULL},
+    {"forget", (PyCFunction)ghosts_forget, METH_O, NULL},
+    {"items", (PyCFunction)ghosts_items, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods ghosts_sequence = {.sq_length = (lenfunc)ghosts_len};
+
+static PyTypeObject GhostTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvpool.ghosts.GhostTable",
+    .tp_basicsize = sizeof(GhostTable),
+    .tp_dealloc = (destructor)ghosts_dealloc,
+    .tp_as_sequence = &ghosts_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Keys (bytes) -> values (ints in [0, 2**63)), in insertion order.",
+    .tp_methods = ghosts_methods,
+    .tp_new = ghosts_new,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvpool.ghosts", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit_ghosts(void) {
+    if (PyType_Ready(&GhostTableType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    PyObject *max_value = PyLong_FromLongLong(INT64_MAX);
+    if (max_value == NULL || PyModule_AddObject(m, "MAX_VALUE", max_value) < 0) {
+        Py_XDECREF(max_value);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&GhostTableType);
+    if (PyModule_AddObject(m, "GhostTable", (PyObject *)&GhostTableType) < 0) {
+        Py_DECREF(&GhostTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,60 @@
+"""The hazard policy's ghost table: what it remembers of blocks it dropped, oldest first.
+
+One entry per dropped block: its key -> an int the policy packs (last use and uses). The policy
+adds an entry at every drop, looks up every new block, and forgets the oldest entries once the
+table is full, so all three are O(1). Order is insertion order; setting a key that is already
+there changes its value, not its place (as a dict does). This file is the reference; the native
+backend runs `ghosts.c` beside it (an insertion-ordered open-addressing table of C ints: no
+Python node and no int object per entry), selected like the core's compiled modules.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+MAX_VALUE = 2**63 - 1
+
+
+def _check_key(key: bytes) -> None:
+    if type(key) is not bytes:
+        raise TypeError(f"key must be bytes, not {type(key).__name__}")
+
+
+class GhostTable:
+    """Keys (bytes) -> values (ints in [0, 2**63)), in insertion order."""
+
+    def __init__(self) -> None:
+        # (An OrderedDict: a plain dict's first item costs O(deleted items) to find.)
+        self._entries: OrderedDict[bytes, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> int:
+        """`key`'s value, or -1."""
+        _check_key(key)
+        return self._entries.get(key, -1)
+
+    def take(self, key: bytes) -> int:
+        """Remove `key` and return its value, or -1 (and nothing changes) if it is absent."""
+        _check_key(key)
+        return self._entries.pop(key, -1)
+
+    def put(self, key: bytes, value: int) -> None:
+        """Set `key`'s value (a new key goes last)."""
+        _check_key(key)
+        if type(value) is not int or not 0 <= value <= MAX_VALUE:
+            raise ValueError(f"value must be an int in [0, {MAX_VALUE}], got {value!r}")
+        self._entries[key] = value
+
+    def forget(self, count: int) -> list[int]:
+        """Remove the `count` oldest entries (all, if fewer) and return their values, oldest
+        first."""
+        if type(count) is not int or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        pop = self._entries.popitem
+        return [pop(last=False)[1] for _ in range(min(count, len(self._entries)))]
+
+    def items(self) -> list[tuple[bytes, int]]:
+        """Every (key, value), oldest first."""
+        return list(self._entries.items())

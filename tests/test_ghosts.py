@@ -1,0 +1,116 @@
+"""kvpool.ghosts: the C ghost table of the native backend against its reference (ghosts.py),
+both against a plain model: random puts, takes and forgets (growth, compaction, holes, keys of
+any length, colliding prefixes); the same values, the same order; bad arguments refused alike,
+changing nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from collections import OrderedDict
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import kvpool
+import kvpool.ghosts
+
+SOURCE = Path(kvpool.__file__).parent / "ghosts.py"
+
+
+def _reference() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kvpool_ghosts_reference", SOURCE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+REFERENCE = _reference()
+IMPLEMENTATIONS = [pytest.param(REFERENCE, id="reference")]
+if kvpool.ghosts.__file__ != str(SOURCE):
+    IMPLEMENTATIONS.append(pytest.param(kvpool.ghosts, id="native"))
+
+
+def test_the_native_backend_runs_the_c_module():
+    if kvpool.backend() != "native":
+        pytest.skip("python backend")
+    assert kvpool.ghosts.__file__.endswith(".so") and len(IMPLEMENTATIONS) == 2
+
+
+def random_key(rng: random.Random, pool: int) -> bytes:
+    n = rng.randrange(pool)
+    if n % 7 == 0:  # (some short keys, and keys sharing their first bytes)
+        return n.to_bytes(3, "big")
+    return b"\x01" * 24 + n.to_bytes(8, "big")
+
+
+@pytest.mark.parametrize("module", IMPLEMENTATIONS)
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_an_ordered_dict_under_random_operations(module, seed):
+    rng = random.Random(seed)
+    table, model = module.GhostTable(), OrderedDict()
+    pool = rng.choice([20, 300, 5000])
+    for step in range(6000):
+        op = rng.randrange(10)
+        key = random_key(rng, pool)
+        if op < 5:
+            value = rng.randrange(2**63) if rng.random() < 0.1 else rng.randrange(1 << 30)
+            table.put(key, value)
+            model[key] = value  # (an existing key keeps its place)
+        elif op < 8:
+            assert table.take(key) == model.pop(key, -1)
+        elif op == 8:
+            assert table.get(key) == model.get(key, -1)
+        else:
+            count = rng.randrange(4) if rng.random() < 0.9 else rng.randrange(len(model) + 3)
+            expected = [model.popitem(last=False)[1] for _ in range(min(count, len(model)))]
+            assert table.forget(count) == expected
+        assert len(table) == len(model)
+        if step % 500 == 0 or len(model) < 3:
+            assert table.items() == list(model.items())
+    assert table.items() == list(model.items())
+    assert table.forget(2**70) == list(model.values()) and len(table) == 0  # (any count)
+    table.put(b"again", 5)
+    assert table.items() == [(b"again", 5)]
+
+
+@pytest.mark.parametrize("module", IMPLEMENTATIONS)
+def test_many_entries_then_all_forgotten_in_order(module):
+    table = module.GhostTable()
+    keys = [i.to_bytes(32, "little") for i in range(100_000)]
+    for i, key in enumerate(keys):
+        table.put(key, i)
+    for key in keys[::3]:
+        assert table.take(key) >= 0
+    left = [i for i in range(100_000) if i % 3]
+    assert table.forget(10) == left[:10] and len(table) == len(left) - 10
+    assert table.get(keys[1]) == -1 and table.get(keys[11]) == -1 and table.get(keys[16]) == 16
+    assert table.forget(len(left)) == left[10:] and len(table) == 0
+
+
+@pytest.mark.parametrize("module", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda t: t.put("key", 1), TypeError, "key must be bytes, not str"),
+        (lambda t: t.put(bytearray(b"k"), 1), TypeError, "key must be bytes, not bytearray"),
+        (lambda t: t.put(b"k", -1), ValueError, r"value must be an int in \[0, 2\^?"),
+        (lambda t: t.put(b"k", 2**63), ValueError, "value must be an int"),
+        (lambda t: t.put(b"k", True), ValueError, "value must be an int"),
+        (lambda t: t.put(b"k", 1.0), ValueError, "value must be an int"),
+        (lambda t: t.take(7), TypeError, "key must be bytes, not int"),
+        (lambda t: t.get(None), TypeError, "key must be bytes, not NoneType"),
+        (lambda t: t.forget(-1), ValueError, "count must be an int >= 0, got -1"),
+        (lambda t: t.forget(-(2**70)), ValueError, "count must be an int >= 0"),
+        (lambda t: t.forget(1.5), ValueError, "count must be an int >= 0"),
+    ],
+)
+def test_bad_arguments_are_refused_and_change_nothing(module, call, error, match):
+    table = module.GhostTable()
+    table.put(b"a", 1)
+    table.put(b"b", 2)
+    with pytest.raises(error, match=match.replace(r"2\^?", "")):
+        call(table)
+    assert table.items() == [(b"a", 1), (b"b", 2)]
