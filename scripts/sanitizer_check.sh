@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The native backend under AddressSanitizer and UndefinedBehaviorSanitizer: builds the compiled
 # core with both into a scratch copy of the sources, then drives it with the differential
-# fuzzer (native against python, every decision compared) and the model-checking fuzzer.
+# fuzzer (native against python, every decision compared) and the model-checking fuzzer, after
+# the C modules' own tests.
 # Any sanitizer report fails the run. CI runs a short one (scripts/test.sh); a long one, e.g.
 # ten seeds of 100,000 operations on the hybrid layout, model checks only:
 #   KVPOOL_SANITIZER_OPS=100000 KVPOOL_SANITIZER_SEEDS=10 KVPOOL_SANITIZER_LAYOUTS=hybrid \
@@ -30,6 +31,9 @@ export PYTHONMALLOC=malloc
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$work/ubsan.supp"
 python3 -c "import kvpool, sys; i = kvpool.backend_info(); print('sanitized backend:', i.describe(), kvpool.__file__); sys.exit(i.name != 'native')"
+# The C modules on their own first: their tests drive them against the reference, bad
+# arguments and memory errors included.
+python3 -m pytest -q -p no:cacheprovider tests/test_chain.py tests/test_ghosts.py | tail -1
 seeds="${KVPOOL_SANITIZER_SEEDS:-1}"
 first="${KVPOOL_SANITIZER_FIRST_SEED:-1}"
 layouts="${KVPOOL_SANITIZER_LAYOUTS:-gpu-host-disk hybrid tight}"

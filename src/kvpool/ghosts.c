@@ -2,8 +2,9 @@
 
 Keys (bytes) -> values (C int64) in insertion order, as the reference's OrderedDict keeps them:
 the entries sit in arrays in the order they came (a removed one leaves a hole), and an open-
-addressing index (linear probing on the key's own cached hash, at most half full) maps a key to
-its entry. Forgetting the oldest walks from the first entry that may be live; when the arrays
+addressing index (linear probing on the key's own cached hash, at most half full; each slot
+holds the entry's place and 31 more bits of its hash, so a probe past another key reads nothing
+else) maps a key to its entry. Forgetting the oldest walks from the first entry that may be live; when the arrays
 fill up, the live entries move to the front (into arrays twice as large when more than half of
 them are live) and the index is rebuilt. The hash only places keys in the index: what a call
 returns, and the order, never depend on it. */
@@ -26,9 +27,16 @@ typedef struct {
     Py_ssize_t head;     /* no live entry before it */
     Py_ssize_t tail;     /* the next free entry slot */
     Py_ssize_t live;
-    Py_ssize_t *index; /* mask + 1 slots: EMPTY, REMOVED, or an entry slot */
+    int64_t *index; /* mask + 1 slots: EMPTY, REMOVED, or slot_of(entry slot, hash) */
     size_t mask;
 } GhostTable;
+
+/* An index slot's value: the entry slot (< 2**32) and the hash's top 31 bits. */
+static inline int64_t slot_of(Py_ssize_t e, Py_hash_t h) {
+    return (int64_t)(((uint64_t)h >> 33) << 32 | (uint64_t)e);
+}
+
+static inline Py_ssize_t entry_of(int64_t slot) { return (Py_ssize_t)(slot & 0xffffffff); }
 
 static int check_key(PyObject *key) {
     if (!PyBytes_CheckExact(key)) {
@@ -46,14 +54,18 @@ static int same_key(PyObject *a, PyObject *b) {
 
 /* The entry slot of `key` (hash h), or -1; *where: its index slot. */
 static Py_ssize_t find(GhostTable *t, PyObject *key, Py_hash_t h, size_t *where) {
+    int64_t tag = slot_of(0, h);
     for (size_t i = (size_t)h & t->mask;; i = (i + 1) & t->mask) {
-        Py_ssize_t e = t->index[i];
-        if (e == EMPTY) {
+        int64_t slot = t->index[i];
+        if (slot == EMPTY) {
             return -1;
         }
-        if (e >= 0 && t->hashes[e] == h && same_key(t->keys[e], key)) {
-            *where = i;
-            return e;
+        if (slot >= 0 && (slot & ~(int64_t)0xffffffff) == tag) {
+            Py_ssize_t e = entry_of(slot);
+            if (t->hashes[e] == h && same_key(t->keys[e], key)) {
+                *where = i;
+                return e;
+            }
         }
     }
 }
@@ -70,6 +82,10 @@ static size_t free_slot(GhostTable *t, Py_hash_t h) {
 /* Move the live entries to the front of arrays of `capacity` slots (>= live) and rebuild the
    index; on failure (no memory) the table is as it was. */
 static int rebuild(GhostTable *t, Py_ssize_t capacity) {
+    if (capacity > 0xffffffffL) { /* (an index slot holds 32 bits of an entry's place) */
+        PyErr_NoMemory();
+        return -1;
+    }
     size_t slots = 1;
     while (slots < 2 * (size_t)capacity) {
         slots <<= 1;
@@ -77,7 +93,7 @@ static int rebuild(GhostTable *t, Py_ssize_t capacity) {
     PyObject **keys = PyMem_Malloc(sizeof(PyObject *) * (size_t)capacity);
     Py_hash_t *hashes = PyMem_Malloc(sizeof(Py_hash_t) * (size_t)capacity);
     int64_t *values = PyMem_Malloc(sizeof(int64_t) * (size_t)capacity);
-    Py_ssize_t *index = PyMem_Malloc(sizeof(Py_ssize_t) * slots);
+    int64_t *index = PyMem_Malloc(sizeof(int64_t) * slots);
     if (keys == NULL || hashes == NULL || values == NULL || index == NULL) {
         PyMem_Free(keys);
         PyMem_Free(hashes);
@@ -99,7 +115,8 @@ static int rebuild(GhostTable *t, Py_ssize_t capacity) {
             while (index[i] != EMPTY) {
                 i = (i + 1) & (slots - 1);
             }
-            index[i] = n++;
+            index[i] = slot_of(n, hashes[n]);
+            n++;
         }
     }
     PyMem_Free(t->keys);
@@ -226,7 +243,7 @@ static PyObject *ghosts_put(GhostTable *t, PyObject *const *args, Py_ssize_t nar
     t->keys[e] = key;
     t->hashes[e] = h;
     t->values[e] = value;
-    t->index[free_slot(t, h)] = e;
+    t->index[free_slot(t, h)] = slot_of(e, h);
     t->live++;
     Py_RETURN_NONE;
 }
@@ -268,7 +285,7 @@ static PyObject *ghosts_forget(GhostTable *t, PyObject *arg) {
         }
         PyList_SET_ITEM(values, n, value);
         size_t i = (size_t)t->hashes[e] & t->mask;
-        while (t->index[i] != e) {
+        while (t->index[i] != slot_of(e, t->hashes[e])) {
             i = (i + 1) & t->mask;
         }
         remove_entry(t, e, i);
