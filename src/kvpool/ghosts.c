@@ -1,42 +1,45 @@
 /* kvpool.ghosts, native: the hazard policy's ghost table (ghosts.py beside it is the reference).
 
-Keys (bytes) -> values (C int64) in insertion order, as the reference's OrderedDict keeps them:
-the entries sit in arrays in the order they came (a removed one leaves a hole), and an open-
-addressing index (linear probing on the key's own cached hash, at most half full; each slot
-holds the entry's place and 31 more bits of its hash, so a probe past another key reads nothing
-else) maps a key to its entry. Forgetting the oldest walks from the first entry that may be live; when the arrays
-fill up, the live entries move to the front (into arrays twice as large when more than half of
-them are live) and the index is rebuilt. The hash only places keys in the index: what a call
-returns, and the order, never depend on it. */
+Keys (bytes) -> values (C int64) in insertion order, as the reference's OrderedDict keeps them.
+The entries sit in a ring of arrays in the order they came (a removed one leaves a hole that
+the oldest end skips when it gets there), and an open-addressing index maps a key to its entry:
+linear probing from the top bits of the key's own cached hash, at most half full, each slot
+holding the entry's place and those 31 bits (a probe past another key reads nothing else), and
+no tombstones (a removal shifts the keys probed past it back: Knuth's algorithm R). So in a
+steady state (as many puts as removals) nothing is ever rebuilt: the ring only grows, twice as
+large, when it is full and more than half of it is live, and is compacted in place of growing
+when it is full of holes. The hash only places keys in the index: what a call returns, and the
+order, never depend on it. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-
 #define EMPTY (-1)
-#define REMOVED (-2)
 #define MIN_CAPACITY 8
+#define LOW32 ((int64_t)0xffffffff)
 
 typedef struct {
     PyObject_HEAD
-    PyObject **keys; /* insertion order; NULL: removed */
+    PyObject **keys; /* a ring in insertion order; NULL: a hole */
     Py_hash_t *hashes;
     int64_t *values;
-    Py_ssize_t capacity; /* entry slots */
-    Py_ssize_t head;     /* no live entry before it */
-    Py_ssize_t tail;     /* the next free entry slot */
+    size_t ring; /* capacity - 1 (a power of two, < 2**32) */
+    size_t head; /* the oldest entry's place (from there on, `span` places, holes included) */
+    size_t span;
     Py_ssize_t live;
-    int64_t *index; /* mask + 1 slots: EMPTY, REMOVED, or slot_of(entry slot, hash) */
+    int64_t *index; /* mask + 1 slots: EMPTY, or slot_of(place, hash) */
     size_t mask;
 } GhostTable;
 
-/* An index slot's value: the entry slot (< 2**32) and the hash's top 31 bits. */
-static inline int64_t slot_of(Py_ssize_t e, Py_hash_t h) {
-    return (int64_t)(((uint64_t)h >> 33) << 32 | (uint64_t)e);
+/* The hash's top 31 bits: where the key's probe starts, and what its index slot keeps. */
+static inline uint64_t tag_of(Py_hash_t h) { return (uint64_t)h >> 33; }
+
+static inline int64_t slot_of(size_t e, Py_hash_t h) {
+    return (int64_t)(tag_of(h) << 32 | (uint64_t)e);
 }
 
-static inline Py_ssize_t entry_of(int64_t slot) { return (Py_ssize_t)(slot & 0xffffffff); }
+static inline size_t place_of(int64_t slot) { return (size_t)(slot & LOW32); }
 
 static int check_key(PyObject *key) {
     if (!PyBytes_CheckExact(key)) {
@@ -52,47 +55,63 @@ static int same_key(PyObject *a, PyObject *b) {
                       memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)n) == 0);
 }
 
-/* The entry slot of `key` (hash h), or -1; *where: its index slot. */
+/* The entry place of `key` (hash h), or -1; *where: its index slot. */
 static Py_ssize_t find(GhostTable *t, PyObject *key, Py_hash_t h, size_t *where) {
     int64_t tag = slot_of(0, h);
-    for (size_t i = (size_t)h & t->mask;; i = (i + 1) & t->mask) {
+    for (size_t i = tag_of(h) & t->mask;; i = (i + 1) & t->mask) {
         int64_t slot = t->index[i];
         if (slot == EMPTY) {
             return -1;
         }
-        if (slot >= 0 && (slot & ~(int64_t)0xffffffff) == tag) {
-            Py_ssize_t e = entry_of(slot);
+        if ((slot & ~LOW32) == tag) {
+            size_t e = place_of(slot);
             if (t->hashes[e] == h && same_key(t->keys[e], key)) {
                 *where = i;
-                return e;
+                return (Py_ssize_t)e;
             }
         }
     }
 }
 
-/* An index slot for a key known to be absent: the first removed or empty one. */
-static size_t free_slot(GhostTable *t, Py_hash_t h) {
-    size_t i = (size_t)h & t->mask;
-    while (t->index[i] >= 0) {
-        i = (i + 1) & t->mask;
+/* Index `place` (of a key with hash h, known to be absent). */
+static void index_add(int64_t *index, size_t mask, size_t place, Py_hash_t h) {
+    size_t i = tag_of(h) & mask;
+    while (index[i] != EMPTY) {
+        i = (i + 1) & mask;
     }
-    return i;
+    index[i] = slot_of(place, h);
 }
 
-/* Move the live entries to the front of arrays of `capacity` slots (>= live) and rebuild the
-   index; on failure (no memory) the table is as it was. */
-static int rebuild(GhostTable *t, Py_ssize_t capacity) {
-    if (capacity > 0xffffffffL) { /* (an index slot holds 32 bits of an entry's place) */
+/* Empty index slot i, moving back the slots after it that probed past it. */
+static void index_remove(GhostTable *t, size_t i) {
+    size_t mask = t->mask;
+    for (size_t j = (i + 1) & mask;; j = (j + 1) & mask) {
+        int64_t slot = t->index[j];
+        if (slot == EMPTY) {
+            break;
+        }
+        size_t home = (size_t)(slot >> 32) & mask;
+        /* It stays unless its probe started at or before i (cyclically: home not in (i, j]). */
+        int stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+        if (!stays) {
+            t->index[i] = slot;
+            i = j;
+        }
+    }
+    t->index[i] = EMPTY;
+}
+
+/* Move the live entries, in order, to the start of a ring of `capacity` places (a power of
+   two, > live) and index them afresh; on failure (no memory) the table is as it was. */
+static int rebuild(GhostTable *t, size_t capacity) {
+    if (capacity > 0x80000000UL) { /* (an index slot holds 32 bits of a place) */
         PyErr_NoMemory();
         return -1;
     }
-    size_t slots = 1;
-    while (slots < 2 * (size_t)capacity) {
-        slots <<= 1;
-    }
-    PyObject **keys = PyMem_Malloc(sizeof(PyObject *) * (size_t)capacity);
-    Py_hash_t *hashes = PyMem_Malloc(sizeof(Py_hash_t) * (size_t)capacity);
-    int64_t *values = PyMem_Malloc(sizeof(int64_t) * (size_t)capacity);
+    size_t slots = 2 * capacity;
+    PyObject **keys = PyMem_Malloc(sizeof(PyObject *) * capacity);
+    Py_hash_t *hashes = PyMem_Malloc(sizeof(Py_hash_t) * capacity);
+    int64_t *values = PyMem_Malloc(sizeof(int64_t) * capacity);
     int64_t *index = PyMem_Malloc(sizeof(int64_t) * slots);
     if (keys == NULL || hashes == NULL || values == NULL || index == NULL) {
         PyMem_Free(keys);
@@ -105,17 +124,14 @@ static int rebuild(GhostTable *t, Py_ssize_t capacity) {
     for (size_t i = 0; i < slots; i++) {
         index[i] = EMPTY;
     }
-    Py_ssize_t n = 0;
-    for (Py_ssize_t e = t->head; e < t->tail; e++) {
+    size_t n = 0;
+    for (size_t k = 0; k < t->span; k++) {
+        size_t e = (t->head + k) & t->ring;
         if (t->keys[e] != NULL) {
             keys[n] = t->keys[e];
             hashes[n] = t->hashes[e];
             values[n] = t->values[e];
-            size_t i = (size_t)hashes[n] & (slots - 1);
-            while (index[i] != EMPTY) {
-                i = (i + 1) & (slots - 1);
-            }
-            index[i] = slot_of(n, hashes[n]);
+            index_add(index, slots - 1, n, hashes[n]);
             n++;
         }
     }
@@ -128,22 +144,21 @@ static int rebuild(GhostTable *t, Py_ssize_t capacity) {
     t->values = values;
     t->index = index;
     t->mask = slots - 1;
-    t->capacity = capacity;
+    t->ring = capacity - 1;
     t->head = 0;
-    t->tail = n;
+    t->span = n;
     return 0;
 }
 
-/* Remove entry e (index slot i); the caller has read what it needs. */
-static void remove_entry(GhostTable *t, Py_ssize_t e, size_t i) {
-    t->index[i] = REMOVED;
-    Py_CLEAR(t->keys[e]);
+/* Remove the entry at `place` (index slot i); the caller has read what it needs. The oldest
+   end moves past the holes it reaches. */
+static void remove_entry(GhostTable *t, size_t place, size_t i) {
+    index_remove(t, i);
+    Py_CLEAR(t->keys[place]);
     t->live--;
-    if (t->live == 0) { /* (nothing live: start the arrays over) */
-        for (size_t j = 0; j <= t->mask; j++) {
-            t->index[j] = EMPTY;
-        }
-        t->head = t->tail = 0;
+    while (t->span && t->keys[t->head] == NULL) {
+        t->head = (t->head + 1) & t->ring;
+        t->span--;
     }
 }
 
@@ -164,8 +179,8 @@ static PyObject *ghosts_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
 }
 
 static void ghosts_dealloc(GhostTable *t) {
-    for (Py_ssize_t e = t->head; e < t->tail; e++) {
-        Py_XDECREF(t->keys[e]);
+    for (size_t k = 0; t->keys != NULL && k < t->span; k++) {
+        Py_XDECREF(t->keys[(t->head + k) & t->ring]);
     }
     PyMem_Free(t->keys);
     PyMem_Free(t->hashes);
@@ -191,7 +206,7 @@ static PyObject *lookup(GhostTable *t, PyObject *key, int take) {
     }
     int64_t value = t->values[e];
     if (take) {
-        remove_entry(t, e, i);
+        remove_entry(t, (size_t)e, i);
     }
     return PyLong_FromLongLong(value);
 }
@@ -234,16 +249,17 @@ static PyObject *ghosts_put(GhostTable *t, PyObject *const *args, Py_ssize_t nar
         t->values[e] = value;
         Py_RETURN_NONE;
     }
-    if (t->tail == t->capacity &&
-        rebuild(t, 2 * t->live >= t->capacity ? 2 * t->capacity : t->capacity) < 0) {
+    size_t capacity = t->ring + 1;
+    if (t->span == capacity && /* full: grow if more than half of it is live, else compact */
+        rebuild(t, 2 * (size_t)t->live >= capacity ? 2 * capacity : capacity) < 0) {
         return NULL;
     }
-    e = t->tail++;
+    size_t place = (t->head + t->span++) & t->ring;
     Py_INCREF(key);
-    t->keys[e] = key;
-    t->hashes[e] = h;
-    t->values[e] = value;
-    t->index[free_slot(t, h)] = slot_of(e, h);
+    t->keys[place] = key;
+    t->hashes[place] = h;
+    t->values[place] = value;
+    index_add(t->index, t->mask, place, h);
     t->live++;
     Py_RETURN_NONE;
 }
@@ -273,10 +289,7 @@ static PyObject *ghosts_forget(GhostTable *t, PyObject *arg) {
         return NULL;
     }
     for (Py_ssize_t n = 0; n < count; n++) {
-        while (t->keys[t->head] == NULL) {
-            t->head++;
-        }
-        Py_ssize_t e = t->head;
+        size_t e = t->head; /* (live: the oldest end never rests on a hole) */
         PyObject *value = PyLong_FromLongLong(t->values[e]);
         if (value == NULL) { /* (the entries forgotten so far stay forgotten: return them) */
             PyObject *done = PyList_GetSlice(values, 0, n);
@@ -284,7 +297,7 @@ static PyObject *ghosts_forget(GhostTable *t, PyObject *arg) {
             return done;
         }
         PyList_SET_ITEM(values, n, value);
-        size_t i = (size_t)t->hashes[e] & t->mask;
+        size_t i = tag_of(t->hashes[e]) & t->mask;
         while (t->index[i] != slot_of(e, t->hashes[e])) {
             i = (i + 1) & t->mask;
         }
@@ -298,7 +311,8 @@ static PyObject *ghosts_items(GhostTable *t, PyObject *Py_UNUSED(ignored)) {
     if (items == NULL) {
         return NULL;
     }
-    for (Py_ssize_t e = t->head; e < t->tail; e++) {
+    for (size_t k = 0; k < t->span; k++) {
+        size_t e = (t->head + k) & t->ring;
         if (t->keys[e] == NULL) {
             continue;
         }
