@@ -46,9 +46,10 @@ Policies:
   blocks. Until it has seen a capacity of inserted blocks it classes nothing (LRU). Cost: one
   ghost-table lookup per new block, a few attribute updates per block used, O(classes) per
   eviction, and a score table of 4 x 48 entries per class rebuilt every eighth of a capacity
-  of insertions; memory: about 290 bytes per ghost, so up to 2.3 KB of host memory per block of
-  capacity (measured by benchmarks/soak_rss.py: 300 MiB once the table of a 131,072-block
-  capacity is full, then flat).
+  of insertions; memory: a ghost is its key (a 32-byte bytes object) and 40 bytes of the table
+  (`kvpool.ghosts`, native form; the reference's OrderedDict: 120), so about 1 KB of host
+  memory per block of capacity (benchmarks/soak_rss.py: the resident set flat once the table
+  of a 131,072-block capacity is full).
 - `lfu`: the same use counts, strictly: the lowest class first, LRU within a class (the
   runner-up: ahead of LRU at small caches, far behind at large ones).
 
