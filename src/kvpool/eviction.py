@@ -299,8 +299,8 @@ class ClassedQueue(EvictionQueue):
         """The next `count` classed pages to evict, as the policy scores them (left queued).
 
         The lists are only read while the victims are picked: per class a cursor walks its
-        list from the head (`nexts`: its page), and a stack (`fronts`) holds the parents that became leaves in
-        this batch (they come before the cursor's page: they were older). Afterwards
+        list from the head (`nexts`: its page), and a stack (`fronts`) holds the parents that
+        became leaves in this batch (they come before the cursor's page: they were older). Afterwards
         `_settle_batch` leaves a list whose cursor only took leaves as it was (its picked
         pages are its first ones, in order: the usual case) and rearranges the others as if
         each pick had been taken out and put back at the head."""
