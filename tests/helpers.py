@@ -1,5 +1,12 @@
 """Small config builders shared by tests."""
 
+import importlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+import kvpool
 from kvpool import (
     AttentionLayerConfig,
     BufferConfig,
@@ -115,3 +122,19 @@ def smollm2():
         folder, gguf_file=name, dtype=torch.float32
     )
     return tokenizer, model.eval()
+
+
+def c_module_forms(name):
+    """A C module's two forms for tests that run both: (its reference, loaded from
+    `src/kvpool/NAME.py` whatever the backend, and pytest params of the reference and, where
+    the native backend runs it, the C module)."""
+    source = Path(kvpool.__file__).parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kvpool_{name}_reference", source)
+    assert spec is not None and spec.loader is not None
+    reference = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reference)
+    forms = [pytest.param(reference, id="reference")]
+    module = importlib.import_module(f"kvpool.{name}")
+    if module.__file__ != str(source):
+        forms.append(pytest.param(module, id="native"))
+    return reference, forms

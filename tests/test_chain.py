@@ -4,12 +4,9 @@ floats, digests) and bad arguments."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 from hashlib import sha256
-from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -17,22 +14,9 @@ import pytest
 import kvpool
 import kvpool.chain
 from kvpool.tokens import encode_tokens
+from tests.helpers import c_module_forms
 
-SOURCE = Path(kvpool.__file__).parent / "chain.py"
-
-
-def _reference() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvpool_chain_reference", SOURCE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-REFERENCE = _reference()
-IMPLEMENTATIONS = [pytest.param(REFERENCE, id="reference")]
-if kvpool.chain.__file__ != str(SOURCE):
-    IMPLEMENTATIONS.append(pytest.param(kvpool.chain, id="native"))
+REFERENCE, IMPLEMENTATIONS = c_module_forms("chain")
 
 
 def test_the_native_backend_runs_the_c_module():

@@ -5,32 +5,16 @@ changing nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections import OrderedDict
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 import kvpool
 import kvpool.ghosts
+from tests.helpers import c_module_forms
 
-SOURCE = Path(kvpool.__file__).parent / "ghosts.py"
-
-
-def _reference() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvpool_ghosts_reference", SOURCE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-REFERENCE = _reference()
-IMPLEMENTATIONS = [pytest.param(REFERENCE, id="reference")]
-if kvpool.ghosts.__file__ != str(SOURCE):
-    IMPLEMENTATIONS.append(pytest.param(kvpool.ghosts, id="native"))
+REFERENCE, IMPLEMENTATIONS = c_module_forms("ghosts")
 
 
 def test_the_native_backend_runs_the_c_module():
