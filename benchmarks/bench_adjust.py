@@ -82,7 +82,7 @@ def adjust_once(pages: int, slot_kib: int) -> dict[str, Any]:
     view[:] = 7  # touch the memory, as a real workload would have
     del view
     hog.close()
-    storage = manager._storage
+    storage = manager._storage.state
     counts = manager.get_slot_counts(0)
     target = [0.5 * 0.5, 0.5 * 1.5]  # the big-slot group loses half its bytes
     memory = storage.levels[0].pool_groups[0].memories[0]

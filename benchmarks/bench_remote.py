@@ -124,7 +124,7 @@ def manager_fetch(url: str, page: int, blocks: int, repeats: int) -> dict[str, f
         cache.commit(tokens)
         cache.close()
         storage = writer._storage  # drop every cached page: the tier writes them back
-        storage.drop([page for group in storage.pages[0] for page in group.values()])
+        storage.owners.drop([page for group in storage.state.pages[0] for page in group.values()])
         assert writer.flush_remote_writes(60)
         assert writer.remote_statistics().written_values == blocks, writer.remote_statistics()
         writer.shutdown()

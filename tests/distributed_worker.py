@@ -229,7 +229,7 @@ def policy_agreement(rank: int, folder: str, requests: int) -> dict[str, Any]:
     except DivergenceError as error:
         message = str(error)
     policy = manager._policy
-    queue = manager._storage.queues[manager._storage.last_level][0]
+    queue = manager._storage.state.queues[manager._storage.state.last_level][0]
     outcome = {
         "message": message,
         "steps": agreement.step,
@@ -238,7 +238,7 @@ def policy_agreement(rank: int, folder: str, requests: int) -> dict[str, Any]:
         "classed": getattr(queue, "_classed", 0),
         "capacity": getattr(policy, "capacity", 0),
         "inflow": getattr(policy, "now", 0),
-        "dropped": manager._storage.num_dropped,
+        "dropped": manager._storage.state.num_dropped,
         "moved": manager.num_moved_pages,
     }
     manager.clear_reusable_blocks()

@@ -21,7 +21,7 @@ CALLS = ("pwritev", "preadv", "posix_fallocate")
 
 def disk_fds(manager: KVCacheManager) -> set[int]:
     fds = set()
-    for level in manager._storage.levels:
+    for level in manager._storage.state.levels:
         if level.tier is CacheTier.DISK:
             for group in level.pool_groups:
                 fds.update(memory.fileno for memory in group.memories)
@@ -93,7 +93,7 @@ def _in_main_thread() -> bool:
 def page_locations(manager: KVCacheManager) -> dict[int, tuple[int, int, int]]:
     """id(page) -> (level, pool group, slot id) for every page in a slot."""
     where = {}
-    for level, groups in enumerate(manager._storage.pages):
+    for level, groups in enumerate(manager._storage.state.pages):
         for pool_group, registry in enumerate(groups):
             for slot_id, page in registry.items():
                 where[id(page)] = (level, pool_group, slot_id)

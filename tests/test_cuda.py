@@ -31,7 +31,7 @@ def test_the_gpu_level_is_cuda_memory_and_host_levels_are_pinned():
         make_config(LAYERS, [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(4 * MiB)], TPB)
     )
     assert m.on_device and m.page_view(0, "k").is_cuda
-    host = [mem for group in m._storage.levels[1].pool_groups for mem in group.memories]
+    host = [mem for group in m._storage.state.levels[1].pool_groups for mem in group.memories]
     assert all(mem.pinned == mem.size for mem in host), "the driver refused to pin host memory"
     shutdown(m)
 

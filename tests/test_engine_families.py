@@ -270,7 +270,7 @@ def test_gemma_with_prefix_reuse_and_suspension_through_host_and_disk(tmp_path, 
     # Then two prompts that extend the first one's start: served from the cache.
     second = generator.generate([prompts[0][:20] + [5, 6, 7], prompts[1] + first[1].tokens[:30]], 6)
     assert all(result.cached_tokens > 0 for result in second)  # prefix served from the cache
-    moved = manager._storage.num_moved
+    moved = manager._storage.state.num_moved
     assert generator.suspensions > 0 and moved[1] > 0 and moved[2] > 0 and moved[0] > 0
     check_against_hf(model, first, 120)
     check_against_hf(model, second, 6)

@@ -225,7 +225,7 @@ def test_fault(tmp_path, monkeypatch, operation, call, scenario, code):
     try:
         faults = DiskFaults(m).install(monkeypatch)
         if code == "interrupt":  # Ctrl-C reaches the main thread: copy there
-            monkeypatch.setattr(m._storage.copier, "_inline_bytes", 1 << 62)
+            monkeypatch.setattr(m._storage.state.copier, "_inline_bytes", 1 << 62)
         before = state_of(m)
         target = s.target
         target_before = before["caches"].get(target.id) if target is not None else None

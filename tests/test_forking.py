@@ -135,7 +135,7 @@ def test_prepare_write_with_no_room_changes_nothing_and_an_interrupted_copy_neit
     def interrupted(source, destination, pairs):
         raise KeyboardInterrupt
 
-    copier = m._storage.copier  # (a Python object on both backends)
+    copier = m._storage.state.copier  # (a Python object on both backends)
     copier.copy, real = interrupted, copier.copy  # type: ignore[method-assign]
     before = state_of(m)
     with pytest.raises(KeyboardInterrupt):

@@ -150,7 +150,7 @@ def test_a_router_in_another_process_sees_exactly_what_the_manager_caches(
         assert {group for _, group in view["GPU"]} == {0, 1} and len(view["GPU"]) >= 4 * 4 + 4 * 3
         for n in range(4, 40):  # the cascade: GPU -> host -> disk -> dropped
             run(m, engine, prompt(n))
-        storage = m._storage
+        storage = m._storage.state
         assert storage.num_moved[1] and storage.num_moved[2] and m.num_dropped_pages
         view = checkpoint(m, early)
         assert set(view) == {"GPU", "CPU", "DISK"}
@@ -291,7 +291,7 @@ def test_pages_swapped_through_ram_are_announced_on_their_new_medium(subscribers
             engine.check(cache, tokens)
             cache.suspend()
             checkpoint(m, subscriber)
-        assert m._storage.num_swapped > 0
+        assert m._storage.state.num_swapped > 0
         for cache, _ in requests:
             cache.close()
         checkpoint(m, subscriber)

@@ -184,8 +184,8 @@ def test_a_level_of_a_million_slots_makes_a_bounded_number_of_records():
     finally:
         tracemalloc.stop()
     assert m.get_slot_counts(0) == [slots] and slots > PREMADE_RECORDS
-    allocator = m._storage.allocators[0][0]
-    assert len(allocator._slots) == len(m._storage._spare_pages) == PREMADE_RECORDS
+    allocator = m._storage.state.allocators[0][0]
+    assert len(allocator._slots) == len(m._storage.state.spare_pages) == PREMADE_RECORDS
     assert len(m._tree._spare) == PREMADE_RECORDS
     assert built < 64 << 20, built  # (a record of each kind per slot: 400 MiB)
     taken = allocator.allocate_multiple(PREMADE_RECORDS + 100)  # beyond them: one at a time
@@ -232,11 +232,11 @@ def test_the_first_levels_records_are_made_with_the_manager(manager_factory, tmp
     )
     m = manager_factory(config)
     slots = m.get_slot_counts(0)[0]
-    storage, tree = m._storage, m._tree
-    assert len(storage._spare_pages) == slots and len(tree._spare) == slots
+    storage, tree = m._storage.state, m._tree
+    assert len(storage.spare_pages) == slots and len(tree._spare) == slots
     assert len(storage.allocators[0][0]._slots) == slots  # (handles: made)
     assert len(storage.allocators[1][0]._slots) == 0  # (the host's: when first needed)
-    premade_pages = {id(page) for page in storage._spare_pages}
+    premade_pages = {id(page) for page in storage.spare_pages}
     premade_blocks = {id(block) for block in tree._spare}
     caches = []
     for index in range(slots // 4):  # every GPU slot, in committed blocks
@@ -248,6 +248,6 @@ def test_the_first_levels_records_are_made_with_the_manager(manager_factory, tmp
     pages = list(storage.pages[0][0].values())
     assert len(pages) == used and {id(page) for page in pages} <= premade_pages
     assert len(tree.index) == used and {id(b) for b in tree.index.values()} <= premade_blocks
-    assert len(storage._spare_pages) == len(tree._spare) == slots - used
+    assert len(storage.spare_pages) == len(tree._spare) == slots - used
     for cache in caches:
         cache.close()

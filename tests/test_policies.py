@@ -400,7 +400,7 @@ def test_the_hazard_policy_learns_on_a_real_trace_through_the_manager():
         assert isinstance(policy, HazardPolicy) and policy.width > 0 and policy.ghosts
         assert all(sum(policy.started[klass]) > 0 for klass in range(1, CLASSES + 1))
         assert sum(map(sum, policy.reuses)) > 0
-        queue = m._storage.queues[0][0]
+        queue = m._storage.state.queues[0][0]
         assert isinstance(queue, ClassedQueue) and queue._classed > 0
         m.check_invariants()
         m.clear_reusable_blocks()
@@ -411,7 +411,7 @@ def test_the_hazard_policy_learns_on_a_real_trace_through_the_manager():
         make_config(LAYERS, [GpuCacheTierConfig(2 * MiB)], TPB, eviction_policy="lru")
     )
     assert lru._policy is None and lru._context.policy is None
-    assert not isinstance(lru._storage.queues[0][0], ClassedQueue)
+    assert not isinstance(lru._storage.state.queues[0][0], ClassedQueue)
     shutdown(lru)
 
 
@@ -544,7 +544,7 @@ def test_two_managers_on_clocks_apart_take_the_same_decisions(policy):
         drops += sum(1 for decision in logs[0] if decision[0] == "drop")
     learned = managers[0]._policy
     assert isinstance(learned, HazardPolicy) and learned.width > 0 and drops > 100
-    assert managers[0]._storage.queues[0][0]._classed > 0
+    assert managers[0]._storage.state.queues[0][0]._classed > 0
     for m in managers:
         shutdown(m)
 

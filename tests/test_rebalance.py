@@ -126,7 +126,7 @@ def test_shrink_moves_cached_pages_from_high_slot_ids_and_their_bytes_survive():
     prompt = list(range(9, 9 + 40 * 16))
     assert run_sequence(m, engine, prompt, decode=0) == 0  # 40 cached pages at ids 60..99
     low.close()  # the low ids are free again
-    storage = m._storage
+    storage = m._storage.state
     assert min(storage.pages[0][0]) >= 60
     m.adjust_cache_level(0, [1.0], quota=4 * MiB)  # 64 slots: ids 64..99 must move
     assert m.get_slot_counts(0) == [64]
@@ -169,7 +169,7 @@ def test_held_pages_at_the_last_level_are_moved_not_dropped():
     held.suspend()
     low.close()
     m.adjust_cache_level(0, [1.0], quota=4 * MiB)  # 64 slots: 36 held pages must move
-    assert m._storage.num_relocated == 36 and m.num_dropped_pages == 0
+    assert m._storage.state.num_relocated == 36 and m.num_dropped_pages == 0
     assert max(p.slot_id for p in held.pages(0)) < 64
     assert held.resume()
     engine.check(held, tokens)
@@ -213,9 +213,9 @@ def test_active_requests_stay_active_across_adjust():
         caches.append((cache, tokens))
     hog.close()
     force_rebalance_precondition(m, skew=0.2)  # shrink group 0 (the window group) hard
-    relocated = m._storage.num_relocated
+    relocated = m._storage.state.num_relocated
     m.adjust()
-    assert m._storage.num_relocated > relocated  # locked pages moved
+    assert m._storage.state.num_relocated > relocated  # locked pages moved
     for cache, tokens in caches:
         assert cache.status is KVCacheStatus.ACTIVE
         engine.check(cache, tokens)  # through the refreshed page tables and the new views

@@ -111,7 +111,7 @@ def test_priority_of_a_queued_page_changes_through_its_queue(finish):
     c.suspend()  # held pages on the GPU level of two: queued (they may move down)
     getattr(c, finish)()
     m.check_invariants()  # the queue's buckets match the pages' priorities
-    priorities = sorted(page.priority for page in m._storage.queues[0][0])
+    priorities = sorted(page.priority for page in m._storage.state.queues[0][0])
     assert priorities == [50, 50]
     c.close()
     m.clear_reusable_blocks()  # KeyError: 50 before the fix
@@ -201,13 +201,13 @@ def test_failed_relocation_read_cancels_the_shrink(make, tmp_path, monkeypatch):
         m.resize(1, 2 * MiB)
     assert faults.injected["preadv"] == 1
     faults.disarm()
-    assert not m._storage.allocators[1][0].shrink_in_progress
+    assert not m._storage.state.allocators[1][0].shrink_in_progress
     assert m.get_slot_counts(1) == [64] and m.get_quota(1) == 4 * MiB
     check_all(m, engine, requests)
     # The manager stays usable: the same shrink now works, every request resumes intact.
     assert m.resize(1, 2 * MiB)
     assert m.get_slot_counts(1) == [32]
-    assert m._storage.num_relocated > 0
+    assert m._storage.state.num_relocated > 0
     check_all(m, engine, requests)
     for cache, tokens in requests:
         assert cache.resume()

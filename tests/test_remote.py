@@ -663,7 +663,8 @@ def test_the_reference_engine_computes_the_same_tokens_from_another_instances_kv
     first_engine, first_manager = engine()
     first = first_engine.generate(prompts, 8)
     storage = first_manager._storage  # this instance goes away: its cached pages are dropped
-    storage.drop([page for groups in storage.pages for group in groups for page in group.values()])
+    pages = [page for groups in storage.state.pages for group in groups for page in group.values()]
+    storage.owners.drop(pages)
     assert first_manager.flush_remote_writes(10)
     first_manager.shutdown()
     second_engine, second_manager = engine()
@@ -691,7 +692,7 @@ def test_ctrl_c_during_a_fetch_changes_nothing_and_the_next_resume_loads_it(
     cache = b.create_kv_cache(None, tokens)
     free_before = [s.available for s in b.get_storage_statistics(0)]
     calls = []
-    memory = b._storage.levels[0].pool_groups[0].memories[0]  # (where a fetched page goes)
+    memory = b._storage.state.levels[0].pool_groups[0].memories[0]  # (where a fetched page goes)
     target, name = (RemoteStore, "get_many") if where == "get" else (type(memory), "write")
     original = getattr(target, name)
 

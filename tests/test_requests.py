@@ -289,7 +289,7 @@ def test_blocks_a_prefill_left_out_of_the_window_go_at_the_next_resize_oldest_fi
     assert None not in held and not releases
     assert cache.resize(512)  # the history is 512 now: blocks 1 ... 23 left the window
     assert releases == [512]
-    queue = m._storage.queues[0][0]
+    queue = m._storage.state.queues[0][0]
     assert list(queue) == held[1:24]  # oldest block first; the sink block 0 stays
     assert [p is not None for p in cache.pages(swa)] == [True] + [False] * 23 + [True] * 8
     engine.check(cache, tokens)

@@ -189,10 +189,10 @@ def test_sliding_window_match_needs_only_the_window_and_sinks(setup):
     tokens = list(range(5000, 5200))
     run_request(m, engine, tokens, 10)  # decodes to 200 tokens
     # Drop the cached pages of blocks 1..8 (stale at 176 tokens) as eviction would.
-    storage = m._storage
+    owners = m._storage.owners
     for block in list(m._tree.blocks()):
         if 1 <= block.ordinal <= 8:
-            storage.drop([block[0]])
+            owners.drop([block[0]])
     assert m.probe_reuse(None, tokens[:176]) == 176  # window [145, 175] + sink block 0
     # At 150 the window needs block 7: gone. Cutting back block by block finds no complete
     # window until 16 tokens (only the sink block needed).
@@ -218,7 +218,7 @@ def test_dropping_full_attention_pages_frees_the_window_pages_of_their_blocks(se
     chain = sorted(m._tree.blocks(), key=lambda block: block.ordinal)
     window_pages = [block[0] for block in chain]
     assert len(chain) == 7 and all(page is not None and page.queued for page in window_pages)
-    window = m._storage.allocators[0][0]
+    window = m._storage.state.allocators[0][0]
     free_before = window.num_free_slots
     releases = []
     release_multiple = window.release_multiple
@@ -227,7 +227,7 @@ def test_dropping_full_attention_pages_frees_the_window_pages_of_their_blocks(se
         release_multiple(slots, *rest),
     )[1]
     full_pages = [block[1] for block in chain]
-    m._storage.drop(full_pages[::-1] if deepest_first else full_pages)
+    m._storage.owners.drop(full_pages[::-1] if deepest_first else full_pages)
     assert not list(m._tree.blocks())
     assert window.num_free_slots == free_before + 7
     assert all(page.slot is None for page in window_pages)

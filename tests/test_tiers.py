@@ -87,8 +87,10 @@ def test_pages_travel_down_and_come_back_byte_for_byte(make, tmp_path, with_host
         fill(m, engine, 20_000, 32)  # and again: host full, they reach the disk
         assert levels_of(m, prompt) == [2] * 4
     disk = m.num_levels - 1
-    assert m._storage.num_moved[disk] >= 4
-    assert m._storage.bytes_moved == [n * 64 * 1024 for n in m.num_moved_pages]  # 64 KiB slots
+    assert m._storage.state.num_moved[disk] >= 4
+    assert m._storage.state.bytes_moved == [
+        n * 64 * 1024 for n in m.num_moved_pages
+    ]  # 64 KiB slots
     checked = engine.records_checked
     assert write_and_close(m, engine, prompt + [7]) == 4 * TPB  # reused from disk, verified
     assert engine.records_checked > checked
@@ -170,7 +172,7 @@ def test_allocation_that_would_drop_a_held_page_fails_and_changes_nothing(make, 
         assert cache.resume()
         engine.check(cache, tokens)
         cache.suspend()
-    assert m._storage.num_swapped > 0
+    assert m._storage.state.num_swapped > 0
     for cache, tokens in reversed(requests):
         assert cache.resume()
         engine.check(cache, tokens)
@@ -243,7 +245,7 @@ def test_suspend_resume_in_random_order_under_pressure(make, tmp_path):
             cache.suspend()
             suspended += 1
     assert resumed > 100 and suspended > 100, (resumed, suspended, failed)
-    assert max(m._storage.num_moved) > 50
+    assert max(m._storage.state.num_moved) > 50
     for request in requests:
         cache = request["cache"]
         if cache.status is KVCacheStatus.SUSPENDED and cache.resume():
@@ -359,7 +361,7 @@ def test_prefetch_only_for_suspended_requests(make):
 
 
 def disk_fd(m):
-    return m._storage.levels[-1].pool_groups[0].memories[0].fileno
+    return m._storage.state.levels[-1].pool_groups[0].memories[0].fileno
 
 
 def test_failed_disk_write_leaves_the_page_on_host_and_reusable(make, tmp_path, monkeypatch):
@@ -423,7 +425,7 @@ def test_hybrid_model_across_three_levels(make, tmp_path):
         write_and_close(m, engine, prompt)
     hits = sum(write_and_close(m, engine, prompt + [1]) for prompt in prompts)
     assert hits > 0
-    assert m._storage.num_moved[2] > 0
+    assert m._storage.state.num_moved[2] > 0
 
 
 @pytest.mark.parametrize("with_host", [True, False], ids=["moved-down", "dropped"])
@@ -467,7 +469,7 @@ def test_the_decision_record_names_each_move_by_slot_ids_and_the_copies_are_coun
     assert held.resume() and engine.step(held, tokens, tokens)
     held.suspend()
     m.record_decisions(True)
-    page_bytes = sum(m._storage.levels[0].pool_groups[0].slot_sizes)
+    page_bytes = sum(m._storage.state.levels[0].pool_groups[0].slot_sizes)
     before = m.stats().copy_bytes
     write_and_close(m, engine, [50_000 + i for i in range(30 * TPB)])  # pushes `held` down
     moves = [d for d in m.take_decisions() if d[0] == "move"]

@@ -226,7 +226,7 @@ class Run:
         media = [MEDIA[manager.get_tier(level)] for level in range(manager.num_levels)]
         self.event_view: dict[str, set[tuple[int, int]]] = {}
         log = KVEventLog(TPB, media, self._apply_events)
-        manager._kv_events = manager._storage.kv_events = manager._tree.kv_events = log
+        manager._kv_events = manager._storage.state.kv_events = manager._tree.kv_events = log
 
     # -- operations ----------------------------------------------------------------------------
 
@@ -759,7 +759,7 @@ def fuzz(layout: str, seed: int, num_ops: int) -> Counter[str]:
                 op = generate(rng, run)
                 ops.append(op)
                 run.apply(op)
-            counters = run.manager._storage
+            counters = run.manager._storage.state
             policy = run.manager._policy
             learned = int(getattr(policy, "width", 0) > 0)  # (the hazard policy classes pages)
             moved, dropped = sum(counters.num_moved), counters.num_dropped
@@ -837,7 +837,7 @@ def twins(layout: str, seed: int, num_ops: int) -> Counter[str]:
     policy = second.manager._policy
     stats = second.stats
     stats["eviction policy learned"] = int(getattr(policy, "width", 0) > 0)
-    stats["pages dropped"] = second.manager._storage.num_dropped
+    stats["pages dropped"] = second.manager._storage.state.num_dropped
     return stats
 
 
@@ -900,7 +900,7 @@ def backends(layout: str, seed: int, num_ops: int) -> Counter[str]:
                 run.apply(op)
                 logs.append(run.manager.take_decisions())
             learned = int(getattr(run.manager._policy, "width", 0) > 0)
-            dropped = run.manager._storage.num_dropped
+            dropped = run.manager._storage.state.num_dropped
             run.close()
         except BaseException as error:
             raise FuzzFailure(layout, seed, ops, error) from error

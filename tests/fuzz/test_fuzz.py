@@ -8,7 +8,7 @@ import pytest
 from kvpool.cache import KVCache
 from kvpool.policies import HazardPolicy
 from kvpool.storage.copier import Copier
-from kvpool.tiers import StorageManager
+from kvpool.tiers import Ownership
 from tests.fuzz.fuzzer import (
     LAYOUTS,
     FuzzFailure,
@@ -70,7 +70,7 @@ def _lossy_copy(real):
 @pytest.mark.parametrize(
     ("target", "name", "make_bug"),
     [
-        (StorageManager, "set_priority", lambda real: _buggy_set_priority),
+        (Ownership, "set_priority", lambda real: _buggy_set_priority),
         (Copier, "copy", _lossy_copy),
         (KVCache, "prepare_write", lambda real: lambda self, begin, end: True),
     ],

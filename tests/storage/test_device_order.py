@@ -163,7 +163,9 @@ def test_scattered_slots_move_in_few_launches(cuda, direction):
 def test_host_levels_are_pinned_and_stay_pinned_across_resizes(cuda):
     tiers = [GpuCacheTierConfig(2 * MiB), HostCacheTierConfig(4 * MiB)]
     m = KVCacheManager(make_config(LAYERS, tiers, TPB))
-    host_memories = [mem for group in m._storage.levels[1].pool_groups for mem in group.memories]
+    host_memories = [
+        mem for group in m._storage.state.levels[1].pool_groups for mem in group.memories
+    ]
     assert all(mem.pinned == mem.size for mem in host_memories)
     assert sum(cuda.registered.values()) == sum(mem.size for mem in host_memories)
     assert m.resize(1, 2 * MiB)  # a smaller host level: re-pinned at its new size
@@ -193,7 +195,7 @@ def test_a_disk_and_the_gpu_exchange_pages_through_two_pinned_buffers_in_turn(
     m = KVCacheManager(make_config(LAYERS, tiers, TPB))
     round_trip(m, CheckingEngine(m), blocks=20, pushers=3)  # to the disk and back
     assert m.num_moved_pages[1] >= 20 and m.num_moved_pages[0] >= 20
-    staging = m._storage.copier._staging
+    staging = m._storage.state.copier._staging
     assert len(staging.buffers) == 2 and all(buffer.pinned for buffer in staging.buffers)
     issued = copies(cuda.log)
     assert len(issued) >= 2 * (20 // 4)  # chunks of 4 pages each way

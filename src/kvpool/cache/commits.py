@@ -125,7 +125,7 @@ class Commits(RequestState):
         if self._ctx.policy is not None:
             self._ctx.policy.inserted(blocks)
         for orphan in orphans:
-            self._ctx.storage.settle(orphan)
+            self._ctx.owners.settle(orphan)
         self._attach_pages(first, blocks, priorities)
         if snapshots:
             self._snapshot_ssm(blocks[-1], priorities, snapshots)
@@ -141,7 +141,7 @@ class Commits(RequestState):
         """Make our pages of blocks `first`, `first + 1`, ... the tree blocks' pages (with their
         `priorities`, if given); where a block already has one, share it instead (one copy of
         the KV, not two)."""
-        storage = self._ctx.storage
+        owners = self._ctx.owners
         events = self._ctx.tree.kv_events
         for g in self._attention_groups:
             pages = self._pages[g]
@@ -154,13 +154,13 @@ class Commits(RequestState):
                 existing = block.pages[g]
                 if existing is None:
                     if priorities is not None:
-                        storage.set_priority(page, priorities[block.ordinal, g])
+                        owners.set_priority(page, priorities[block.ordinal, g])
                     block.pages[g] = page
                     page.block = block
                     if attached is not None:
                         attached.append(block)
                     if not page.locks:
-                        storage.settle(page)
+                        owners.settle(page)
                 elif block.num_tokens == self._tpb:
                     self._share(g, index, page, existing)
             if attached:
@@ -170,37 +170,37 @@ class Commits(RequestState):
     def _share(self, g: int, index: int, page: Page, existing: Page) -> None:
         """Block `index` is already in the tree with page `existing`: use the tree's page if it
         is on the GPU, else (colder and unused) put ours in its place."""
-        storage, tree = self._ctx.storage, self._ctx.tree
+        owners, tree = self._ctx.owners, self._ctx.tree
         if existing.level == GPU_LEVEL:
-            storage.lock(existing)  # commits happen only while ACTIVE
+            owners.lock(existing)  # commits happen only while ACTIVE
             self._set_page(g, index, existing)
-            storage.unlock(page)
+            owners.unlock(page)
         elif not existing.locks and not existing.holds:
             block = existing.block
             assert block is not None
             tree.detach(existing)
-            storage.settle(existing)
-            storage.set_priority(page, existing.priority)
+            owners.settle(existing)
+            owners.set_priority(page, existing.priority)
             tree.attach(block, page)
-            storage.settle(page)
+            owners.settle(page)
 
     def _snapshot_pages(self) -> dict[int, Page]:
         """Before a commit that ends at a block boundary changes anything: a locked page per
         SSM layer group for the state snapshot (best effort: none where no slot can be had,
         and none at all after an I/O error while making room)."""
-        storage = self._ctx.storage
+        owners, allocation = self._ctx.owners, self._ctx.allocation
         pages: dict[int, Page] = {}
         try:
             for g in self._ssm:
                 if self._pages[g][0] is not None:
                     pool_group = self._ctx.layout.pool_group_of[g]
-                    (pages[g],) = storage.new_pages(GPU_LEVEL, pool_group, g, 1, locks=1)
+                    (pages[g],) = allocation.new_pages(GPU_LEVEL, pool_group, g, 1, locks=1)
         except (OutOfPagesError, StorageError) as error:
             if isinstance(error, StorageError):
                 logger.warning("no SSM state snapshot: making room failed (%s)", error)
         except BaseException:
             for page in pages.values():
-                storage.unlock(page)
+                owners.unlock(page)
             raise
         return pages
 
@@ -211,20 +211,20 @@ class Commits(RequestState):
         it to `block`; pages not needed (the block has a snapshot already) are freed."""
         if not pages:
             return
-        storage = self._ctx.storage
+        owners, migration = self._ctx.owners, self._ctx.migration
         for g, page in pages.items():
             live = self._pages[g][0]
             if block is not None and live is not None and block.pages[g] is None:
                 try:
-                    storage.copy_pages([(live, page)])
+                    migration.copy_pages([(live, page)])
                 except StorageError:
-                    storage.unlock(page)  # uncommitted and unowned: freed
+                    owners.unlock(page)  # uncommitted and unowned: freed
                     continue
                 page.priority = (
                     DEFAULT_PRIORITY if priorities is None else priorities[block.ordinal, g]
                 )
                 self._ctx.tree.attach(block, page)
-            storage.unlock(page)
+            owners.unlock(page)
 
     def stop_committing(self) -> None:
         """No more commits: the unfinished tail block goes into the tree as a partial block."""
@@ -259,7 +259,7 @@ class Commits(RequestState):
         if parent is not None:
             block, orphans = self._ctx.tree.insert(parent, key, data, num_tokens)
             for orphan in orphans:
-                self._ctx.storage.settle(orphan)
+                self._ctx.owners.settle(orphan)
         if block is not None:
             if self._ctx.policy is not None:
                 self._ctx.policy.inserted([block])
@@ -290,7 +290,7 @@ class Commits(RequestState):
         length, tpb = match.num_tokens, self._tpb
         if not length:
             return
-        storage = self._ctx.storage
+        owners = self._ctx.owners
         num_blocks = -(-length // tpb)
         partial = length % tpb != 0
         for g, lc in self._attention:
@@ -299,7 +299,7 @@ class Commits(RequestState):
             indices = [index for index in range(num_blocks) if not beg <= index < end]
             pages = [match.blocks[index].pages[g] for index in indices]
             assert None not in pages, "match pruning guarantees the pages"
-            storage.hold_all(pages)  # type: ignore[arg-type]
+            owners.hold_all(pages)  # type: ignore[arg-type]
             if partial and indices and indices[-1] == num_blocks - 1:
                 self._deferred.append((g, num_blocks - 1, pages[-1]))  # type: ignore[arg-type]
             self._table.set_many(g, indices, pages)  # type: ignore[arg-type]
@@ -307,7 +307,7 @@ class Commits(RequestState):
         for g in self._ssm:
             snapshot = match.blocks[num_blocks - 1][g]
             assert snapshot is not None, "match pruning guarantees the snapshot"
-            storage.hold(snapshot)
+            owners.hold(snapshot)
             self._deferred.append((g, -1, snapshot))
         full_blocks = length // tpb
         if full_blocks:

@@ -55,7 +55,7 @@ class Forking(RemoteLoading):
         ]
         if not shared:
             return True
-        storage = self._ctx.storage
+        owners, allocation, migration = self._ctx.owners, self._ctx.allocation, self._ctx.migration
         # Make room for every copy first: taking them one by one, the first could evict (move
         # or drop cached pages) before the second finds no room, and False would have changed
         # the cache.
@@ -63,26 +63,26 @@ class Forking(RemoteLoading):
         counts = [0] * layout.num_pool_groups
         for g, _, _ in shared:
             counts[layout.pool_group_of[g]] += 1
-        if not storage.reserve(GPU_LEVEL, counts):
+        if not allocation.reserve(GPU_LEVEL, counts):
             return False
         private: list[Page] = []
         try:
             for g, _, _ in shared:
                 private.append(self._new_page(g))
-            storage.copy_pages(
+            migration.copy_pages(
                 [(page, copy) for (_, _, page), copy in zip(shared, private, strict=True)]
             )
         except OutOfPagesError:
             for copy in private:
-                storage.unlock(copy)
+                owners.unlock(copy)
             return False
         except BaseException:
             for copy in private:
-                storage.unlock(copy)
+                owners.unlock(copy)
             raise
         for (g, index, page), copy in zip(shared, private, strict=True):
             self._set_page(g, index, copy)
-            storage.unlock(page)
+            owners.unlock(page)
         self._ctx.counters.copy_on_write_pages += len(private)
         if self._checks:
             self._ctx.check()
@@ -98,21 +98,21 @@ class Forking(RemoteLoading):
                 f"fork_kv_cache() of KV cache {self.id}, which is {self._status.value} "
                 "(it must be active)"
             )
-        storage = self._ctx.storage
+        owners, migration = self._ctx.owners, self._ctx.migration
         states: list[tuple[int, Page]] = []  # (SSM layer group, the child's copy of its state)
         try:
             for g in self._ssm:
                 if self._pages[g][0] is not None:
                     states.append((g, self._new_page(g)))
-            storage.copy_pages([(self._pages[g][0], copy) for g, copy in states])  # type: ignore[misc]
+            migration.copy_pages([(self._pages[g][0], copy) for g, copy in states])  # type: ignore[misc]
         except BaseException:
             for _, copy in states:
-                storage.unlock(copy)
+                owners.unlock(copy)
             raise
         for g in self._attention_groups:
             for page in self._pages[g]:
                 if page is not None:
-                    storage.lock(page)
+                    owners.lock(page)
         child._table.copy_from(self._table)
         for g, copy in states:
             child._table.set(g, 0, copy)

@@ -54,7 +54,12 @@ class Growth(Forking):
             if self._checks:
                 self._ctx.check()
             return True
-        layout, storage = self._ctx.layout, self._ctx.storage
+        layout, owners, allocation, state = (
+            self._ctx.layout,
+            self._ctx.owners,
+            self._ctx.allocation,
+            self._ctx.state,
+        )
         stale_of = dict(stale)
         releases: list[tuple[int, int]] = []
         grants: dict[int, list[int]] = {}
@@ -94,9 +99,9 @@ class Growth(Forking):
         # nothing: by the usual eviction if it can, else by dropping our own released cached
         # pages afterwards (which needs no I/O).
         drop_own = False
-        if not storage.reserve(GPU_LEVEL, fresh):
+        if not allocation.reserve(GPU_LEVEL, fresh):
             first = [max(0, n - len(freed_committed.get(pg, ()))) for pg, n in enumerate(fresh)]
-            if not freed_committed or not storage.reserve(GPU_LEVEL, first):
+            if not freed_committed or not allocation.reserve(GPU_LEVEL, first):
                 return False
             drop_own = True
         recycled: dict[int, list[Page]] = {}
@@ -109,14 +114,14 @@ class Growth(Forking):
                 self._table.clear(g, index)
             else:
                 unlocking.append(self._table.clear(g, index))
-        storage.unlock_all(unlocking)
+        owners.unlock_all(unlocking)
         for g in self._attention_groups:
             self._table.resize(g, new_blocks)
         if drop_own:
             for pool_group, pages_freed in freed_committed.items():
-                missing = fresh[pool_group] - storage.num_free(GPU_LEVEL, pool_group)
+                missing = fresh[pool_group] - state.num_free(GPU_LEVEL, pool_group)
                 if missing > 0:
-                    storage.drop([page for page in pages_freed if page.queued][:missing])
+                    owners.drop([page for page in pages_freed if page.queued][:missing])
         for g, wanted in grants.items():
             reuse = recycled.get(g, [])
             reuse += self._new_pages(g, len(wanted) - len(reuse))
@@ -145,7 +150,7 @@ class Growth(Forking):
             first, stop = max(beg, self._released_end[g]), min(end, num_blocks)
             if first < stop:
                 unlocking += self._table.clear_range(g, first, stop)
-        self._ctx.storage.unlock_all(unlocking)
+        self._ctx.owners.unlock_all(unlocking)
         self._advance_released(stale)
 
     def _advance_released(self, stale: Sequence[tuple[int, tuple[int, int]]]) -> None:
@@ -166,12 +171,12 @@ class Growth(Forking):
 
     def _grow(self, count: int) -> bool:
         """Append `count` new blocks to every attention layer group (all or nothing)."""
-        storage = self._ctx.storage
+        allocation = self._ctx.allocation
         per_pool = self._attention_per_pool
-        if not storage.reserve(
+        if not allocation.reserve(
             GPU_LEVEL, per_pool if count == 1 else [count * n for n in per_pool]
         ):
             return False
         for g, pool_group in self._attention_pools:
-            self._table.extend(g, storage.new_pages(GPU_LEVEL, pool_group, g, count, locks=1))
+            self._table.extend(g, allocation.new_pages(GPU_LEVEL, pool_group, g, count, locks=1))
         return True

@@ -26,10 +26,16 @@ class KVCache(Growth):
         self._require_open("resume")
         if self._status is KVCacheStatus.ACTIVE:
             return True
-        storage, layout = self._ctx.storage, self._ctx.layout
+        owners, allocation, migration, state, layout = (
+            self._ctx.owners,
+            self._ctx.allocation,
+            self._ctx.migration,
+            self._ctx.state,
+            self._ctx.layout,
+        )
         for pool_group in range(layout.num_pool_groups):
-            total = storage.levels[GPU_LEVEL].pool_groups[pool_group].num_slots
-            used = total - storage.num_available(GPU_LEVEL, pool_group)
+            total = state.levels[GPU_LEVEL].pool_groups[pool_group].num_slots
+            used = total - state.num_available(GPU_LEVEL, pool_group)
             if total and used / total > self._ctx.max_util_for_resume:
                 return self._resume_failed()
         if self._remote is not None and not self._load_remote(GPU_LEVEL):
@@ -43,15 +49,15 @@ class KVCache(Growth):
             if self._pages[g][0] is None:
                 extra[layout.pool_group_of[g]] += 1
         snapshots = [page for _, block, page in self._deferred if block < 0]
-        storage.lock_held(ours)  # locked pages are never evicted: ours stay put while we make room
+        owners.lock_held(ours)  # locked pages are never evicted: ours stay put while we make room
         moved = False
         staged = None
         try:
             if snapshots:  # read now: a failed read of a snapshot changes nothing
-                staged = storage.stage(snapshots)
-            moved = storage.bring_to(ours, GPU_LEVEL, extra)
+                staged = migration.stage(snapshots)
+            moved = allocation.bring_to(ours, GPU_LEVEL, extra)
             if moved:
-                self._make_private_copies(staged or storage.stage(()))
+                self._make_private_copies(staged or migration.stage(()))
         except BaseException:
             moved = False
             raise
@@ -60,8 +66,8 @@ class KVCache(Growth):
                 staged.close()
             if not moved:
                 for page in ours:
-                    storage.hold(page)
-                    storage.unlock(page)
+                    owners.hold(page)
+                    owners.unlock(page)
         if not moved:
             return self._resume_failed()
         self._status = KVCacheStatus.ACTIVE
@@ -82,8 +88,8 @@ class KVCache(Growth):
             raise LogicError(
                 f"prefetch() on KV cache {self.id}, which is {self._status.value} (it must be suspended)"
             )
-        storage = self._ctx.storage
-        level = check_index("level", level, len(storage.levels))
+        owners, allocation, state = self._ctx.owners, self._ctx.allocation, self._ctx.state
+        level = check_index("level", level, len(state.levels))
         if self._remote is not None and not self._load_remote(level):
             self._after_call()
             return False
@@ -91,12 +97,12 @@ class KVCache(Growth):
         ours += [page for _, index, page in self._deferred if index < 0]  # SSM snapshots
         ours = list(dict.fromkeys(ours))  # a page twice (shared by two blocks) is locked once
         for page in ours:
-            storage.lock(page)  # none of ours is evicted to make room for the others
+            owners.lock(page)  # none of ours is evicted to make room for the others
         try:
-            storage.lift([page for page in ours if page.level > level], level)
+            allocation.lift([page for page in ours if page.level > level], level)
         finally:
             for page in ours:
-                storage.unlock(page)
+                owners.unlock(page)
         self._after_call()
         return all(page.level <= level for page in ours)
 
@@ -105,7 +111,7 @@ class KVCache(Growth):
         copy in `staged`) into private pages (shared pages are never written), and give SSM
         layers their live state slot. The caller holds the room for them; on a copy error
         nothing changes."""
-        storage = self._ctx.storage
+        owners, migration = self._ctx.owners, self._ctx.migration
         snapshots = {g: page for g, block, page in self._deferred if block < 0}
         copies: list[tuple[int, int, Page, Page]] = []  # (group, block, shared, private)
         try:
@@ -116,22 +122,22 @@ class KVCache(Growth):
                 if self._pages[g][0] is None:
                     live = self._new_page(g)
                     copies.append((g, 0, snapshots.get(g, live), live))
-            storage.copy_pages(
+            migration.copy_pages(
                 [(shared, private) for _, _, shared, private in copies if shared is not private],
                 staged,
             )
         except BaseException:
             for _, _, _, private in copies:
-                storage.unlock(private)
+                owners.unlock(private)
             raise
         for g, block, shared, private in copies:
             self._pages[g][block] = private
             if shared is private:
                 continue
             if g in self._ssm:
-                storage.unhold(shared)  # the snapshot: held, not in our table
+                owners.unhold(shared)  # the snapshot: held, not in our table
             else:
-                storage.unlock(shared)  # the partial block: locked with our other pages
+                owners.unlock(shared)  # the partial block: locked with our other pages
         self._deferred = []
 
     def _deepest_block(self) -> Block | None:
@@ -148,12 +154,12 @@ class KVCache(Growth):
         self._require_open("suspend")
         if self._status is KVCacheStatus.SUSPENDED:
             return
-        storage = self._ctx.storage
+        owners = self._ctx.owners
         for pages in self._pages:
             for page in pages:
                 if page is not None:
-                    storage.hold(page)
-                    storage.unlock(page)
+                    owners.hold(page)
+                    owners.unlock(page)
         self._status = KVCacheStatus.SUSPENDED
         self._ctx.counters.suspensions += 1
         self._after_call()
@@ -166,10 +172,10 @@ class KVCache(Growth):
         self._forget_remote()
         if self._committing:
             self.stop_committing()
-        storage = self._ctx.storage
+        owners = self._ctx.owners
         for _, index, snapshot in self._deferred:
             if index < 0:
-                storage.unhold(snapshot)
+                owners.unhold(snapshot)
         self._deferred = []
         policy = self._ctx.policy
         if policy is not None:
@@ -178,7 +184,7 @@ class KVCache(Growth):
                 policy.released(deepest)
         # Last block first: parents become evictable after their children, so eviction trims
         # a cached chain from its end and shorter prefixes stay reusable.
-        release = storage.unlock_all if self._status is KVCacheStatus.ACTIVE else storage.unhold_all
+        release = owners.unlock_all if self._status is KVCacheStatus.ACTIVE else owners.unhold_all
         for g in range(len(self._pages)):
             release([page for page in reversed(self._table.clear_all(g)) if page is not None])
         self._status = KVCacheStatus.CLOSED

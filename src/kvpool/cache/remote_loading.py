@@ -28,7 +28,12 @@ class RemoteLoading(Commits):
         if end == prefix.start:
             self._forget_remote()
             return True
-        storage, layout, tree = self._ctx.storage, self._ctx.layout, self._ctx.tree
+        owners, migration, layout, tree = (
+            self._ctx.owners,
+            self._ctx.migration,
+            self._ctx.layout,
+            self._ctx.tree,
+        )
         by_group: dict[int, list[tuple[int, memoryview]]] = {}
         for (index, g), payload in payloads.items():
             by_group.setdefault(g, []).append((index, payload))
@@ -38,10 +43,10 @@ class RemoteLoading(Commits):
                 pages = self._new_pages_at_or_below(level, layout.pool_group_of[g], g, len(items))
                 fetched += [(index, g, page) for page, (index, _) in zip(pages, items, strict=True)]
                 for page, (_, payload) in zip(pages, items, strict=True):
-                    storage.write_page(page, payload)
+                    migration.write_page(page, payload)
         except BaseException as error:
             for _, _, page in fetched:
-                storage.settle(page)  # unowned and in no block: freed
+                owners.settle(page)  # unowned and in no block: freed
             if isinstance(error, OutOfPagesError):
                 return False
             raise
@@ -54,7 +59,7 @@ class RemoteLoading(Commits):
             count = end - prefix.start
             blocks, orphans = tree.insert_chain(parent, prefix.keys[:count], prefix.datas[:count])
             for orphan in orphans:
-                storage.settle(orphan)
+                owners.settle(orphan)
             for index, g, page in fetched:
                 block = blocks[index - prefix.start]
                 if (
@@ -66,14 +71,14 @@ class RemoteLoading(Commits):
         self._forget_remote()
         self._readopt(tokens)
         for _, _, page in fetched:
-            storage.settle(page)  # held now, or freed when unused
+            owners.settle(page)  # held now, or freed when unused
         return True
 
     def _new_pages_at_or_below(self, level: int, pool_group: int, g: int, count: int) -> list[Page]:
-        storage = self._ctx.storage
-        for candidate in range(level, len(storage.levels)):
+        allocation, state = self._ctx.allocation, self._ctx.state
+        for candidate in range(level, len(state.levels)):
             try:
-                return storage.new_pages(candidate, pool_group, g, count)
+                return allocation.new_pages(candidate, pool_group, g, count)
             except OutOfPagesError:
                 continue
         raise OutOfPagesError(f"no level has {count} slots for the fetched remote pages")
@@ -83,9 +88,9 @@ class RemoteLoading(Commits):
         previous = self._release_adoption()
         match = self._ctx.tree.match(self._scope_key, tokens, False)
         self.adopt_match(match, tokens)
-        storage = self._ctx.storage
+        owners = self._ctx.owners
         for page in previous:
-            storage.unhold(page)
+            owners.unhold(page)
 
     def _release_adoption(self) -> list[Page]:
         """Clear the adopted prefix (only ever before the first resume); returns the pages it

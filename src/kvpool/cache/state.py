@@ -30,7 +30,7 @@ from kvpool.radix import RadixTree
 from kvpool.records import Page
 from kvpool.remote import RemotePrefix, RemoteTier
 from kvpool.stats import Counters
-from kvpool.tiers import StorageManager
+from kvpool.tiers import Allocation, Migration, Ownership, StorageState
 from kvpool.tokens import Token
 from kvpool.validation import check_index
 
@@ -54,10 +54,14 @@ ACTIVE: Final = KVCacheStatus.ACTIVE  # (a module constant: read on every step)
 
 @dataclass
 class CacheContext:
-    """What a request needs from its manager (so the cache does not depend on the manager)."""
+    """What a request needs from its manager (so the cache does not depend on the manager):
+    of the storage, the parts it calls (its page counts, owner counts, new pages, copies)."""
 
     layout: KVLayout
-    storage: StorageManager
+    state: StorageState
+    owners: Ownership
+    allocation: Allocation
+    migration: Migration
     tree: RadixTree
     max_util_for_resume: float
     on_close: Callable[[RequestState], None]
@@ -186,7 +190,7 @@ class RequestState:
         """`count` new pages of layer group `g` on the GPU, locked by this request."""
         if count <= 0:
             return []
-        return self._ctx.storage.new_pages(
+        return self._ctx.allocation.new_pages(
             GPU_LEVEL, self._ctx.layout.pool_group_of[g], g, count, locks=1
         )
 

@@ -118,9 +118,9 @@ class ManagerCore:
                         if isinstance(memory, HostMemory):
                             memory.pin()
         self._tree = RadixTree(self.layout)
-        self._storage.on_drop = self._tree.remove_pages
+        self._storage.state.on_drop = self._tree.remove_pages
         # The first level's records, up front: it fills in the engine's loop (section 7).
-        self._tree.make_spare_blocks(self._storage.make_records(0))
+        self._tree.make_spare_blocks(self._storage.state.make_records(0))
         self._clock = clock or time.monotonic
         # The policy decides what the last level drops; what it keeps stays cached somewhere
         # in every level together, so its horizon is the blocks of all levels.
@@ -128,7 +128,7 @@ class ManagerCore:
         policy = make_policy(self._config.eviction_policy, capacity)
         self._policy: EvictionPolicy | None = None if policy.name == "lru" else policy
         if self._policy is not None:  # (no page is queued yet)
-            queues = self._storage.queues[self._storage.last_level]
+            queues = self._storage.state.queues[self._storage.state.last_level]
             queues[:] = [ClassedQueue(self._policy, CLASSES) for _ in queues]
         self._remote: RemoteTier | None = None
         if self._config.remote_tier is not None:
@@ -138,7 +138,7 @@ class ManagerCore:
                 self._storage.close()
                 raise
         if self._remote is not None or self._policy is not None:
-            self._storage.on_drop = self._drop
+            self._storage.state.on_drop = self._drop
         self._kv_events: KVEventLog | None = None
         self._publisher: KVEventPublisher | None = None
         if self._config.kv_events is not None:
@@ -152,7 +152,10 @@ class ManagerCore:
         self._cache_class: type[KVCache] = KVCache
         self._context = CacheContext(
             layout=self.layout,
-            storage=self._storage,
+            state=self._storage.state,
+            owners=self._storage.owners,
+            allocation=self._storage.allocation,
+            migration=self._storage.migration,
             tree=self._tree,
             max_util_for_resume=self._config.max_util_for_resume,
             on_close=self._forget,
@@ -168,7 +171,7 @@ class ManagerCore:
         tier: the committed full blocks' pages the local levels drop (from the last level, or
         any level a shrink drops them from), and the pages of the blocks that lose their reuse
         with them, are written to the remote tier before their slots are freed."""
-        policy, last = self._policy, self._storage.last_level
+        policy, last = self._policy, self._storage.state.last_level
         if policy is None or not pages or pages[0].level != last:
             return self._remove_pages(pages)
         blocks = [page.block for page in pages if page.block is not None]
@@ -205,7 +208,7 @@ class ManagerCore:
     def _write_remote(self, items: list[tuple[LostBlock, Page]]) -> int:
         """Queue pages of committed full blocks for the remote tier; how many were queued."""
         assert self._remote is not None
-        queued = self._remote.write_back(items, self._storage.read_page)
+        queued = self._remote.write_back(items, self._storage.migration.read_page)
         if self._kv_events is not None and queued:
             self._kv_events.written_remote([(items[i][0], items[i][1].layer_group) for i in queued])
         return len(queued)
@@ -222,7 +225,7 @@ class ManagerCore:
             self._storage.close()
             raise
         self._kv_events = KVEventLog(self.tokens_per_block, media, self._publisher.publish)
-        self._storage.kv_events = self._tree.kv_events = self._kv_events
+        self._storage.state.kv_events = self._tree.kv_events = self._kv_events
 
     def flush_kv_events(self) -> None:
         """Publish the KV events recorded since the last call as one batch (call it once per
@@ -338,7 +341,7 @@ class ManagerCore:
                 slot_sizes=group.slot_sizes,
                 total=group.num_slots,
                 free=group.allocator.num_free_slots,
-                evictable=self._storage.num_evictable(level, index),
+                evictable=self._storage.state.num_evictable(level, index),
             )
             for index, group in enumerate(storage.pool_groups)
         ]
@@ -346,7 +349,7 @@ class ManagerCore:
     @property
     def num_dropped_pages(self) -> int:
         """Committed pages evicted from the last level so far (their KV is gone)."""
-        return self._storage.num_dropped
+        return self._storage.state.num_dropped
 
     def stats(self) -> ManagerStats:
         """A snapshot of memory use per level and pool group, prefix-cache queries and hits by
@@ -365,7 +368,7 @@ class ManagerCore:
                         index,
                         group.num_slots,
                         group.num_slots - free,
-                        storage.num_evictable(level, index),
+                        storage.state.num_evictable(level, index),
                         sum(group.slot_sizes),
                     )
                 )
@@ -378,12 +381,12 @@ class ManagerCore:
             query_tokens=counters.query_tokens,
             hit_tokens_by_level=list(counters.hit_tokens_by_level),
             remote_hit_tokens=0 if remote is None else remote.hit_tokens,
-            dropped_pages_by_level=list(storage.num_dropped_at),
-            moved_pages_to_level=list(storage.num_moved),
-            moved_bytes_to_level=list(storage.bytes_moved),
-            swapped_pages=storage.num_swapped,
-            copy_bytes=storage.copy_bytes,
-            copy_seconds=storage.copy_seconds,
+            dropped_pages_by_level=list(storage.state.num_dropped_at),
+            moved_pages_to_level=list(storage.state.num_moved),
+            moved_bytes_to_level=list(storage.state.bytes_moved),
+            swapped_pages=storage.state.num_swapped,
+            copy_bytes=storage.state.copy_bytes,
+            copy_seconds=storage.state.copy_seconds,
             suspensions=counters.suspensions,
             resumes=counters.resumes,
             failed_resumes=counters.failed_resumes,
@@ -430,26 +433,26 @@ class ManagerCore:
         which pages eviction dropped or moved (by slot id), each re-split. For
         `kvpool.distributed`'s divergence check; off by default (it then costs nothing)."""
         check_bool("on", on)
-        self._storage.events = [] if on else None
+        self._storage.state.events = [] if on else None
 
     def note_decision(self, *decision: object) -> None:
         """Add a decision taken outside the manager (an agreed rebalance) to the record, in
         order with the manager's own (nothing when not recording)."""
-        if self._storage.events is not None:
-            self._storage.events.append(decision)
+        if self._storage.state.events is not None:
+            self._storage.state.events.append(decision)
 
     def take_decisions(self) -> list[tuple[object, ...]]:
         """The decisions recorded since the last call (see `record_decisions`), oldest first."""
-        events = self._storage.events
+        events = self._storage.state.events
         if events is None:
             return []
-        self._storage.events = []
+        self._storage.state.events = []
         return events
 
     @property
     def num_moved_pages(self) -> list[int]:
         """Pages that arrived at each level so far (eviction down, bringing up, prefetch)."""
-        return list(self._storage.num_moved)
+        return list(self._storage.state.num_moved)
 
     def _after_call(self) -> None:
         if self._checks:
@@ -468,7 +471,7 @@ class ManagerCore:
         thread at each call. `LogicError` without a CUDA level (nothing to order)."""
         if not self.on_device:
             raise LogicError("set_engine_stream: the GPU level is host memory (no CUDA device)")
-        self._storage.copier.order.engine_stream = stream
+        self._storage.state.copier.order.engine_stream = stream
 
     def transfer_to_current_thread(self) -> None:
         """Make the calling thread the one that drives this manager (see the constructor)."""

@@ -63,7 +63,7 @@ def check_invariants(
                 pages[id(page)] = page
                 if page.block is not block or page.layer_group != g:
                     problems.append(f"{page} is not linked back to {block}")
-    for queues in storage.queues:
+    for queues in storage.state.queues:
         for queue in queues:
             queue.check_invariants()
             for page in queue:
@@ -77,23 +77,23 @@ def check_invariants(
             problems.append(
                 f"{page}: owners counted {locks.get(key, 0)} locks, {holds.get(key, 0)} holds"
             )
-        if page.queued != storage.is_evictable(page):
+        if page.queued != storage.owners.is_evictable(page):
             problems.append(
-                f"{page}: queued {page.queued} but evictable {storage.is_evictable(page)}"
+                f"{page}: queued {page.queued} but evictable {storage.owners.is_evictable(page)}"
             )
         if not page.locks and not page.holds and page.block is None:
             problems.append(f"{page}: nobody owns it and it is not cached")
-        if storage.pages[page.level][page.pool_group].get(page.slot_id) is not page:
+        if storage.state.pages[page.level][page.pool_group].get(page.slot_id) is not page:
             problems.append(f"{page} is missing from the slot registry")
         slots = used.setdefault((page.level, page.pool_group), set())
         if page.slot_id in slots:
             problems.append(f"slot {page.slot_id} of pool group {page.pool_group} has two pages")
         slots.add(page.slot_id)
-    for level, level_storage in enumerate(storage.levels):
+    for level, level_storage in enumerate(storage.state.levels):
         for pg, group in enumerate(level_storage.pool_groups):
             group.allocator.check_invariants()
             occupied = group.allocator.num_occupied_slots
-            if occupied != len(storage.pages[level][pg]):
+            if occupied != len(storage.state.pages[level][pg]):
                 problems.append(f"level {level} pool group {pg}: slot registry out of date")
             if occupied != len(used.get((level, pg), ())):
                 problems.append(
@@ -102,7 +102,7 @@ def check_invariants(
             queued = sum(
                 1 for p in pages.values() if p.queued and p.level == level and p.pool_group == pg
             )
-            if queued != len(storage.queues[level][pg]):
+            if queued != len(storage.state.queues[level][pg]):
                 problems.append(f"level {level} pool group {pg}: queue length mismatch")
     if problems:
         raise CorruptedError("; ".join(problems[:10]))

@@ -64,8 +64,8 @@ class KVCacheManager(Rebalancing):
             self._policy.used(match.blocks)
         if prefix is not None:
             cache._remote = prefix
-        if self._storage.events is not None:
-            self._storage.events.append(("create", id, cache.num_committed_tokens))
+        if self._storage.state.events is not None:
+            self._storage.state.events.append(("create", id, cache.num_committed_tokens))
         self._living[id] = cache
         self._after_call()
         if counters.calls is not None:
@@ -87,8 +87,8 @@ class KVCacheManager(Rebalancing):
             self._context, id, cache._scope_key, cache._priority_callback, cache.exclude_from_stats
         )
         cache._fork_into(child)
-        if self._storage.events is not None:
-            self._storage.events.append(("fork", cache.id, id))
+        if self._storage.state.events is not None:
+            self._storage.state.events.append(("fork", cache.id, id))
         self._living[id] = child
         self._after_call()
         return child
@@ -185,7 +185,7 @@ class KVCacheManager(Rebalancing):
         self._require_open()
         self._refuse_with_open_caches("clear_reusable_blocks")
         for page in self._tree.clear():
-            self._storage.settle(page)
+            self._storage.owners.settle(page)
         if self._kv_events is not None:
             self._kv_events.cleared()
         self._after_call()
@@ -196,7 +196,7 @@ class KVCacheManager(Rebalancing):
             return
         self._refuse_with_open_caches("shutdown")
         for page in self._tree.clear():
-            self._storage.settle(page)
+            self._storage.owners.settle(page)
         if self._remote is not None:
             self._remote.close()
         if self._kv_events is not None and self._publisher is not None:

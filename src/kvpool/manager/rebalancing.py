@@ -100,7 +100,7 @@ class Rebalancing(ManagerCore):
         ratio = [w / total for w in scaled]
         quota = storage.quota if quota is None else check_int("quota", quota, 1)
         sizes = [group.slot_sizes for group in storage.pool_groups]
-        staying = self._storage.pages_that_must_stay(level)
+        staying = self._storage.resizing.pages_that_must_stay(level)
         floors = [max(floor, stay) for floor, stay in zip(self._min_slots, staying, strict=True)]
         try:
             counts = slot_counts_from_ratio(
@@ -110,11 +110,11 @@ class Rebalancing(ManagerCore):
             raise OutOfPagesError(
                 f"level {level}: the pages that must stay do not fit ({error}); nothing was changed"
             ) from None
-        storage_counters = self._storage
+        storage_counters = self._storage.state
         moved_before = storage_counters.bytes_relocated + sum(storage_counters.bytes_moved)
         started = time.perf_counter()
         try:
-            adjusted = self._storage.adjust_cache_level(level, counts, quota)
+            adjusted = self._storage.resizing.adjust_cache_level(level, counts, quota)
         finally:  # even after an error: pages of running requests may have moved
             for cache in self._living.values():
                 if cache.status is KVCacheStatus.ACTIVE:
@@ -129,8 +129,8 @@ class Rebalancing(ManagerCore):
         counters.rebalance_seconds.observe(time.perf_counter() - started)
         moved_after = storage_counters.bytes_relocated + sum(storage_counters.bytes_moved)
         counters.rebalance_bytes += moved_after - moved_before
-        if self._storage.events is not None:
-            self._storage.events.append(("split", level, tuple(counts)))
+        if self._storage.state.events is not None:
+            self._storage.state.events.append(("split", level, tuple(counts)))
 
     def resize(self, level: SupportsIndex, quota: SupportsIndex) -> bool:
         """Change a level's byte budget at run time, keeping its current split between pool
@@ -146,7 +146,7 @@ class Rebalancing(ManagerCore):
         counts = slot_counts_from_ratio(
             quota, sizes, storage.ratio, storage.granularity, self._min_slots
         )
-        if not self._storage.adjust_cache_level(level, counts, quota):
+        if not self._storage.resizing.adjust_cache_level(level, counts, quota):
             return False
         self._after_call()
         return True

@@ -252,8 +252,8 @@ class Replay:
             storage = manager._storage
             report.simulated_seconds = self._now
             report.dropped_pages = manager.num_dropped_pages
-            report.pages_moved_to_level = list(storage.num_moved)
-            report.bytes_moved_to_level = list(storage.bytes_moved)
+            report.pages_moved_to_level = list(storage.state.num_moved)
+            report.bytes_moved_to_level = list(storage.state.bytes_moved)
             report.records_verified = self.engine.records_checked if self.engine else 0
             manager.clear_reusable_blocks()
             manager.shutdown()  # (writes what is queued for the remote tier first)

@@ -191,7 +191,7 @@ class CheckingEngine:
         for i, page in enumerate(pages):
             by_level.setdefault(page.level, []).append(i)
         for level, indices in by_level.items():
-            group = storage.levels[level].pool_groups[pages[indices[0]].pool_group]
+            group = storage.state.levels[level].pool_groups[pages[indices[0]].pool_group]
             rows = [
                 pages[i].slot_id * placement.buffers_per_slot + placement.position for i in indices
             ]

@@ -16,6 +16,7 @@ from kvpool.storage.memory import HostMemory
 from kvpool.storage.pools import PoolGroup
 from kvpool.storage.slots import wait_before
 from kvpool.tiers.ownership import Ownership
+from kvpool.tiers.state import StorageState
 
 
 class Staged:
@@ -37,14 +38,16 @@ class Staged:
         self.slot_of.clear()
 
 
-_NOTHING_STAGED = Staged()
-
-
 NOTHING_STAGED = Staged()
 
 
-class Migration(Ownership):
-    """Copies of pages between slots; a batch moves whole or not at all."""
+class Migration:
+    """Copies of pages between slots; a batch moves whole or not at all. Where a page lands it
+    is queued or not as its owners say (`Ownership.settle`)."""
+
+    def __init__(self, state: StorageState, owners: Ownership) -> None:
+        self._state = state
+        self._owners = owners
 
     def migrate(self, pages: Sequence[Page], level: int, staged: Staged = NOTHING_STAGED) -> None:
         """Move pages (any levels, one pool group each) to `level`, copying their bytes in
@@ -56,9 +59,9 @@ class Migration(Ownership):
             if page.level != level:
                 batches.setdefault((page.level, page.pool_group), []).append(page)
         for (source_level, pool_group), batch in batches.items():
-            self._migrate_batch(batch, source_level, level, pool_group, staged)
+            self.migrate_batch(batch, source_level, level, pool_group, staged)
 
-    def _migrate_batch(
+    def migrate_batch(
         self,
         batch: list[Page],
         source_level: int,
@@ -66,10 +69,10 @@ class Migration(Ownership):
         pool_group: int,
         staged: Staged = NOTHING_STAGED,
     ) -> None:
-        allocator = self.levels[level].pool_groups[pool_group].allocator
+        allocator = self._state.levels[level].pool_groups[pool_group].allocator
         slots = allocator.allocate_multiple(len(batch))
-        source_group = self.levels[source_level].pool_groups[pool_group]
-        target_group = self.levels[level].pool_groups[pool_group]
+        source_group = self._state.levels[source_level].pool_groups[pool_group]
+        target_group = self._state.levels[level].pool_groups[pool_group]
         # The previous copy into or out of a slot is done before this one touches it: on the
         # GPU by the copy stream's order, on the host by waiting.
         on_device = source_group.on_device or target_group.on_device
@@ -88,20 +91,20 @@ class Migration(Ownership):
             pairs = [(page.slot_id, slot.slot_id) for page, slot in zip(batch, slots, strict=True)]
         started = time.perf_counter()
         try:
-            event = self.copier.copy(copy_from, target_group, pairs)
+            event = self._state.copier.copy(copy_from, target_group, pairs)
             event.check()
         except BaseException:  # (an interrupt in an inline copy too)
             allocator.release_multiple(slots)
             raise
-        self.copy_seconds += time.perf_counter() - started
-        self.copy_bytes += len(batch) * sum(source_group.slot_sizes)
+        self._state.copy_seconds += time.perf_counter() - started
+        self._state.copy_bytes += len(batch) * sum(source_group.slot_sizes)
         source_pages, target_pages = (
-            self.pages[source_level][pool_group],
-            self.pages[level][pool_group],
+            self._state.pages[source_level][pool_group],
+            self._state.pages[level][pool_group],
         )
         queued = [page for page in batch if page.queued]
         if queued:
-            self.queues[source_level][pool_group].remove_all(queued)
+            self._state.queues[source_level][pool_group].remove_all(queued)
         old_slots = []
         for page, slot in zip(batch, slots, strict=True):
             old = page.slot
@@ -112,27 +115,27 @@ class Migration(Ownership):
             page.slot, page.level = slot, level
             target_pages[slot.slot_id] = page
         source_group.allocator.release_multiple(old_slots, ready_event=event)
-        if self.events is not None:
+        if self._state.events is not None:
             moved = tuple(slot.slot_id for slot in old_slots), tuple(slot.slot_id for slot in slots)
-            self.events.append(("move", source_level, level, pool_group, *moved))
+            self._state.events.append(("move", source_level, level, pool_group, *moved))
         evictable = []  # `settle` each page, queueing in one batch
         for page in batch:
-            if self.is_evictable(page):
+            if self._owners.is_evictable(page):
                 evictable.append(page)
             else:
-                self.settle(page)
-        self.queues[level][pool_group].push_all(evictable)
+                self._owners.settle(page)
+        self._state.queues[level][pool_group].push_all(evictable)
         if source_level != level:
-            if self.kv_events is not None:
-                self.kv_events.moved(batch, source_level, level)
-            self.num_moved[level] += len(batch)
-            self.bytes_moved[level] += len(batch) * sum(source_group.slot_sizes)
+            if self._state.kv_events is not None:
+                self._state.kv_events.moved(batch, source_level, level)
+            self._state.num_moved[level] += len(batch)
+            self._state.bytes_moved[level] += len(batch) * sum(source_group.slot_sizes)
 
     def read_page(self, page: Page) -> bytes:
         """A copy of the page's bytes, pool by pool (`StorageError` if a disk read fails)."""
         assert page.slot is not None
         wait_before(page.slot.ready_event, False)  # (the CPU reads it)
-        group, slot = self.levels[page.level].pool_groups[page.pool_group], page.slot.slot_id
+        group, slot = self._state.levels[page.level].pool_groups[page.pool_group], page.slot.slot_id
         return b"".join(
             memory.read(slot * size, size).data
             for memory, size in zip(group.memories, group.slot_sizes, strict=True)
@@ -141,7 +144,7 @@ class Migration(Ownership):
     def write_page(self, page: Page, payload: bytes | memoryview) -> None:
         """Fill the page's slot with `payload`, pool by pool (as `read_page` returns it)."""
         assert page.slot is not None
-        group, slot = self.levels[page.level].pool_groups[page.pool_group], page.slot.slot_id
+        group, slot = self._state.levels[page.level].pool_groups[page.pool_group], page.slot.slot_id
         source = np.frombuffer(payload, dtype=np.uint8)
         offset = 0
         for memory, size in zip(group.memories, group.slot_sizes, strict=True):
@@ -151,7 +154,9 @@ class Migration(Ownership):
     def stage(self, pages: Sequence[Page], every: bool = False) -> Staged:
         """Read the bytes of those `pages` that live on a disk level (or of all of them, with
         `every`) into RAM. A failed read raises `StorageError` with nothing changed."""
-        wanted = [page for page in pages if every or self.levels[page.level].tier is CacheTier.DISK]
+        wanted = [
+            page for page in pages if every or self._state.levels[page.level].tier is CacheTier.DISK
+        ]
         if not wanted:
             return NOTHING_STAGED
         staged = Staged()
@@ -162,7 +167,7 @@ class Migration(Ownership):
         try:
             for pool_group, count in sizes.items():
                 staged.groups[pool_group] = PoolGroup(
-                    self.levels[0].pool_groups[pool_group].slot_sizes,
+                    self._state.levels[0].pool_groups[pool_group].slot_sizes,
                     count,
                     lambda pool, size: HostMemory(size),
                 )
@@ -174,8 +179,10 @@ class Migration(Ownership):
                 for page in batch:  # (its last copy in is done: the CPU may read it next)
                     assert page.slot is not None
                     wait_before(page.slot.ready_event, False)
-                event = self.copier.copy(
-                    self.levels[level].pool_groups[pool_group], staged.groups[pool_group], pairs
+                event = self._state.copier.copy(
+                    self._state.levels[level].pool_groups[pool_group],
+                    staged.groups[pool_group],
+                    pairs,
                 )
                 event.check()
                 event.wait()  # (the staged bytes are read by the CPU or a later copy)
@@ -186,35 +193,35 @@ class Migration(Ownership):
             raise
         return staged
 
-    def _release_slot(self, page: Page) -> None:
+    def release_slot(self, page: Page) -> None:
         """Take a (staged) page out of its slot; `_place` gives it a new one."""
         assert page.slot is not None and not page.queued
-        del self.pages[page.level][page.pool_group][page.slot_id]
-        self.levels[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
+        del self._state.pages[page.level][page.pool_group][page.slot_id]
+        self._state.levels[page.level].pool_groups[page.pool_group].allocator.release(page.slot)
         page.slot = None
 
-    def _place(self, page: Page, levels: Sequence[int], staged: Staged) -> None:
+    def place(self, page: Page, levels: Sequence[int], staged: Staged) -> None:
         """Write a staged page into a free slot: of the first of `levels` with one, else of any
         level, trying the next free slot when a write fails."""
         source, source_slot = staged.groups[page.pool_group], staged.slot_of[id(page)]
         failure: BaseException | None = None
-        for level in dict.fromkeys([*levels, *range(len(self.levels))]):
-            group = self.levels[level].pool_groups[page.pool_group]
+        for level in dict.fromkeys([*levels, *range(len(self._state.levels))]):
+            group = self._state.levels[level].pool_groups[page.pool_group]
             if not group.allocator.num_free_slots:
                 continue
             slot = group.allocator.allocate()
             wait_before(slot.ready_event, group.on_device)
             try:
-                self.copier.copy(source, group, [(source_slot, slot.slot_id)]).check()
+                self._state.copier.copy(source, group, [(source_slot, slot.slot_id)]).check()
             except StorageError as error:
                 group.allocator.release(slot)
                 failure = error
                 continue
-            if self.kv_events is not None and page.level != level:
-                self.kv_events.moved((page,), page.level, level)
+            if self._state.kv_events is not None and page.level != level:
+                self._state.kv_events.moved((page,), page.level, level)
             page.slot, page.level = slot, level
-            self.pages[level][page.pool_group][slot.slot_id] = page
-            self.settle(page)
+            self._state.pages[level][page.pool_group][slot.slot_id] = page
+            self._owners.settle(page)
             return
         raise CorruptedError(
             f"no level could take staged {page} (last write error: {failure}): its KV is lost"
@@ -231,8 +238,8 @@ class Migration(Ownership):
             assert source.pool_group == destination.pool_group
             pool_group = source.pool_group
             on_device = (
-                self.levels[source.level].pool_groups[pool_group].on_device
-                or self.levels[destination.level].pool_groups[pool_group].on_device
+                self._state.levels[source.level].pool_groups[pool_group].on_device
+                or self._state.levels[destination.level].pool_groups[pool_group].on_device
             )
             for page in (source, destination):
                 if page.slot is not None:
@@ -243,11 +250,13 @@ class Migration(Ownership):
                 slot = staged.slot_of[id(source)]
             else:
                 key = (source.level, destination.level, pool_group)
-                sources[key] = self.levels[source.level].pool_groups[pool_group]
+                sources[key] = self._state.levels[source.level].pool_groups[pool_group]
                 slot = source.slot_id
             batches.setdefault(key, []).append((slot, destination.slot_id))
         events = [
-            self.copier.copy(sources[key], self.levels[key[1]].pool_groups[key[2]], slot_pairs)
+            self._state.copier.copy(
+                sources[key], self._state.levels[key[1]].pool_groups[key[2]], slot_pairs
+            )
             for key, slot_pairs in batches.items()
         ]
         for event in events:

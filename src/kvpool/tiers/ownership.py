@@ -10,8 +10,11 @@ from kvpool.records import Page
 from kvpool.tiers.state import StorageState
 
 
-class Ownership(StorageState):
+class Ownership:
     """Every change of a page's owners goes through here."""
+
+    def __init__(self, state: StorageState) -> None:
+        self._state = state
 
     def is_evictable(self, page: Page) -> bool:
         """Committed pages nobody owns; held pages too, except at the last level (they could
@@ -19,7 +22,7 @@ class Ownership(StorageState):
         if page.locks:
             return False
         if page.holds:
-            return page.level != self.last_level
+            return page.level != self._state.last_level
         return page.block is not None
 
     def settle(self, page: Page) -> None:
@@ -29,7 +32,7 @@ class Ownership(StorageState):
         if page.locks:
             evictable = False
         elif page.holds:
-            evictable = page.level != self.last_level
+            evictable = page.level != self._state.last_level
         elif page.block is None:
             self._free(page)
             return
@@ -37,15 +40,15 @@ class Ownership(StorageState):
             evictable = True
         if evictable:
             if not page.queued:
-                self.queues[page.level][page.pool_group].push(page)
+                self._state.queues[page.level][page.pool_group].push(page)
         elif page.queued:
-            self.queues[page.level][page.pool_group].remove(page)
+            self._state.queues[page.level][page.pool_group].remove(page)
 
     def set_priority(self, page: Page, priority: int) -> None:
         """Change a page's eviction priority; a queued page moves to its new priority's list
         (as its newest page)."""
         if page.queued:
-            queue = self.queues[page.level][page.pool_group]
+            queue = self._state.queues[page.level][page.pool_group]
             queue.remove(page)
             page.priority = priority
             queue.push(page)
@@ -58,7 +61,7 @@ class Ownership(StorageState):
     def lock(self, page: Page) -> None:
         page.locks += 1
         if page.queued:
-            self.queues[page.level][page.pool_group].remove(page)
+            self._state.queues[page.level][page.pool_group].remove(page)
 
     def unlock(self, page: Page) -> None:
         assert page.locks > 0, page
@@ -86,7 +89,7 @@ class Ownership(StorageState):
 
     def _push_all(self, pages: list[Page]) -> None:
         """Queue GPU pages in their pool groups' queues, in order: one batch per queue."""
-        queues = self.queues[0]
+        queues = self._state.queues[0]
         pool_group = pages[0].pool_group
         if len(queues) == 1 or all(page.pool_group == pool_group for page in pages):
             queues[pool_group].push_all(pages)
@@ -106,7 +109,7 @@ class Ownership(StorageState):
         """`hold` each page (at the last level a held page is not evictable: it leaves its
         queue, in one batch per queue)."""
         leaving = []
-        last = self._last_level
+        last = self._state.last_level
         for page in pages:
             page.holds += 1
             if page.locks:
@@ -132,7 +135,7 @@ class Ownership(StorageState):
         """Take queued pages out of their queues, one batch per queue."""
         batches: dict[EvictionQueue, list[Page]] = {}
         for page in pages:
-            batches.setdefault(self.queues[page.level][page.pool_group], []).append(page)
+            batches.setdefault(self._state.queues[page.level][page.pool_group], []).append(page)
         for queue, batch in batches.items():
             queue.remove_all(batch)
 
@@ -169,7 +172,7 @@ class Ownership(StorageState):
         for (level, pool_group), batch in unowned.items():
             queued = [page for page in batch if page.queued]
             if queued:
-                self.queues[level][pool_group].remove_all(queued)
+                self._state.queues[level][pool_group].remove_all(queued)
             self._release_slots(level, pool_group, batch)
 
     def _drop_group(self, level: int, pages: list[Page]) -> Sequence[Page]:
@@ -177,19 +180,21 @@ class Ownership(StorageState):
         slots freed in one call. Returns the pages that lost their block with them, for the
         caller to settle once every group is dropped."""
         pool_group = pages[0].pool_group
-        if self.events is not None:
-            self.events.append(("drop", level, pool_group, tuple(page.slot_id for page in pages)))
-        self.queues[level][pool_group].remove_all(pages)
-        orphans = self.on_drop(pages)
+        if self._state.events is not None:
+            self._state.events.append(
+                ("drop", level, pool_group, tuple(page.slot_id for page in pages))
+            )
+        self._state.queues[level][pool_group].remove_all(pages)
+        orphans = self._state.on_drop(pages)
         self._release_slots(level, pool_group, pages)
-        self.num_dropped += len(pages)
-        self.num_dropped_at[level] += len(pages)
+        self._state.num_dropped += len(pages)
+        self._state.num_dropped_at[level] += len(pages)
         return orphans
 
     def _release_slots(self, level: int, pool_group: int, pages: list[Page]) -> None:
         """Free the slots of unowned pages (out of their queue) of one pool group at `level`, in
         one release; the page records are kept for reuse."""
-        registry = self.pages[level][pool_group]
+        registry = self._state.pages[level][pool_group]
         slots = []
         for page in pages:
             slot = page.slot
@@ -197,15 +202,15 @@ class Ownership(StorageState):
             del registry[slot.slot_id]
             slots.append(slot)
             page.slot = None
-        self._spare_pages += pages
-        self.allocators[level][pool_group].release_multiple(slots)
+        self._state.spare_pages += pages
+        self._state.allocators[level][pool_group].release_multiple(slots)
 
     def _free(self, page: Page) -> None:
         slot = page.slot
         assert slot is not None and page.locks == 0 and page.holds == 0, page
         if page.queued:
-            self.queues[page.level][page.pool_group].remove(page)
-        del self.pages[page.level][page.pool_group][slot.slot_id]
-        self.allocators[page.level][page.pool_group].release(slot)
+            self._state.queues[page.level][page.pool_group].remove(page)
+        del self._state.pages[page.level][page.pool_group][slot.slot_id]
+        self._state.allocators[page.level][page.pool_group].release(slot)
         page.slot = None
-        self._spare_pages.append(page)
+        self._state.spare_pages.append(page)

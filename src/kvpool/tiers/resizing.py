@@ -8,11 +8,22 @@ from collections.abc import Sequence
 from kvpool.errors import StorageError
 from kvpool.records import Page
 from kvpool.tiers.allocation import Allocation
-from kvpool.tiers.planning import Plan
+from kvpool.tiers.migration import Migration
+from kvpool.tiers.planning import Plan, Planner
+from kvpool.tiers.state import StorageState
 
 
-class Resizing(Allocation):
-    """`adjust_cache_level` and the shrink it plans."""
+class Resizing:
+    """`adjust_cache_level` and the shrink it plans (with the planner), carries out (with the
+    allocation) and defragments (with the migration)."""
+
+    def __init__(
+        self, state: StorageState, planner: Planner, allocation: Allocation, migration: Migration
+    ) -> None:
+        self._state = state
+        self._planner = planner
+        self._allocation = allocation
+        self._migration = migration
 
     def adjust_cache_level(
         self, level: int, counts: Sequence[int], quota: int | None = None
@@ -26,7 +37,7 @@ class Resizing(Allocation):
         their new slots, the rest their old ones; cached pages already evicted to make room
         stay evicted), and a failed grow undoes the grows before it and keeps the old quota
         (the message says which pool groups had shrunk)."""
-        storage = self.levels[level]
+        storage = self._state.levels[level]
         old = storage.slot_counts
         shrinking = [pg for pg, (new, was) in enumerate(zip(counts, old, strict=True)) if new < was]
         plans: list[Plan] = []
@@ -39,7 +50,7 @@ class Resizing(Allocation):
             plans.append(plan)
         try:
             for pg, plan in zip(shrinking, plans, strict=True):
-                self._execute(plan)
+                self._allocation.execute(plan)
                 self._relocate(level, pg)
         except BaseException:
             for pg in shrinking:
@@ -75,22 +86,22 @@ class Resizing(Allocation):
 
     def pages_that_must_stay(self, level: int) -> list[int]:
         """Per pool group: pages that cannot leave `level` (locked, or held at the last level)."""
-        last = level == self.last_level
+        last = level == self._state.last_level
         return [
             sum(1 for page in pages.values() if page.locks or (last and page.holds))
-            for pages in self.pages[level]
+            for pages in self._state.pages[level]
         ]
 
     def _plan_shrink(self, level: int, pool_group: int, new_num_slots: int) -> Plan | None:
         """Schedule the allocator's shrink and plan the evictions it needs (or cancel, None)."""
-        allocator = self.levels[level].pool_groups[pool_group].allocator
+        allocator = self._state.levels[level].pool_groups[pool_group].allocator
         allocator.prepare_for_shrink(new_num_slots)
         if allocator.num_active_slots <= new_num_slots:
             return Plan(free=0)  # fast path: no id in the removed range was ever issued
         free_below = allocator.num_free_slots  # ids under the new size only, now
         blocking = set(allocator.get_slots_blocking_shrink())
         victims: list[Page] = []
-        queue = self.queues[level][pool_group]
+        queue = self._state.queues[level][pool_group]
         for page in queue:
             if free_below >= len(blocking):
                 break
@@ -100,7 +111,9 @@ class Resizing(Allocation):
             else:
                 free_below += 1
         plan = (
-            self._plan_eviction(level, pool_group, victims) if free_below >= len(blocking) else None
+            self._planner.plan_eviction(level, pool_group, victims)
+            if free_below >= len(blocking)
+            else None
         )
         if plan is None:
             allocator.cancel_shrink()
@@ -109,10 +122,12 @@ class Resizing(Allocation):
     def _relocate(self, level: int, pool_group: int) -> None:
         """After a shrink's planned evictions: move the pages left in the removed range into
         free slots below it (a defragmenting copy)."""
-        allocator = self.levels[level].pool_groups[pool_group].allocator
-        blocking = [self.pages[level][pool_group][i] for i in allocator.get_slots_blocking_shrink()]
+        allocator = self._state.levels[level].pool_groups[pool_group].allocator
+        blocking = [
+            self._state.pages[level][pool_group][i] for i in allocator.get_slots_blocking_shrink()
+        ]
         if blocking:
-            self._migrate_batch(blocking, level, level, pool_group)
-            self.num_relocated += len(blocking)
-            slot_bytes = sum(self.levels[level].pool_groups[pool_group].slot_sizes)
-            self.bytes_relocated += len(blocking) * slot_bytes
+            self._migration.migrate_batch(blocking, level, level, pool_group)
+            self._state.num_relocated += len(blocking)
+            slot_bytes = sum(self._state.levels[level].pool_groups[pool_group].slot_sizes)
+            self._state.bytes_relocated += len(blocking) * slot_bytes

@@ -1,5 +1,6 @@
-"""The state every part of the `StorageManager` shares: the levels' pools, their allocators, the
-eviction queues, the page in each occupied slot, the spare page records and the counters."""
+"""The data every part of the `StorageManager` reads and changes: the levels' pools, their
+allocators, the eviction queues, the page in each occupied slot, the spare page records and the
+counters. The parts hold it; it holds none of them and has no behaviour beyond counting."""
 
 from __future__ import annotations
 
@@ -16,15 +17,15 @@ PREMADE_RECORDS: Final = 1 << 17  # per pool group: at most about 53 MiB of reco
 
 
 class StorageState:
-    """Pools, queues and page registries of every level (the parts of `StorageManager` build on
-    this)."""
+    """Pools, queues and page registries of every level (shared by the parts of the
+    `StorageManager`)."""
 
     def __init__(self, levels: Sequence[LevelStorage]) -> None:
         self.levels = list(levels)
-        self._last_level = len(self.levels) - 1
+        self.last_level: Final = len(self.levels) - 1
         # Freed Page objects, reused for new pages: no garbage per page in the hot loop once as
         # many pages have lived at once as ever will (nothing keeps a freed page).
-        self._spare_pages: list[Page] = []
+        self.spare_pages: list[Page] = []
         self.allocators = [[group.allocator for group in level.pool_groups] for level in levels]
         self.queues = [[EvictionQueue() for _ in level.pool_groups] for level in self.levels]
         # The page in each occupied slot, per level and pool group.
@@ -56,13 +57,9 @@ class StorageState:
         for allocator in self.allocators[level]:
             count = min(allocator.capacity, limit)
             allocator.make_handles(count)
-            self._spare_pages += [Page(None, level, 0, 0) for _ in range(count)]
+            self.spare_pages += [Page(None, level, 0, 0) for _ in range(count)]
             most = max(most, count)
         return most
-
-    @property
-    def last_level(self) -> int:
-        return self._last_level
 
     def num_free(self, level: int, pool_group: int) -> int:
         return self.allocators[level][pool_group].num_free_slots
@@ -82,4 +79,4 @@ class StorageState:
         self.allocators = []
         self.queues = []
         self.pages = []
-        self._spare_pages = []
+        self.spare_pages = []
