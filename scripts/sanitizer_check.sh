@@ -7,6 +7,8 @@
 # ten seeds of 100,000 operations on the hybrid layout, model checks only:
 #   KVPOOL_SANITIZER_OPS=100000 KVPOOL_SANITIZER_SEEDS=10 KVPOOL_SANITIZER_LAYOUTS=hybrid \
 #   KVPOOL_SANITIZER_MODES=model bash scripts/sanitizer_check.sh
+# (KVPOOL_FUZZ_VERIFY_EVERY=N checks the manager's invariants and the bytes every N operations
+# instead of after each: most of a long run's time goes to those checks.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ops="${KVPOOL_SANITIZER_OPS:-2000}"

@@ -275,9 +275,9 @@ def test_blocks_a_prefill_left_out_of_the_window_go_at_the_next_resize_oldest_fi
     releases = []
     release_stale = Growth._release_stale
 
-    def counting(self, *args):
-        releases.append(self.history_length)
-        return release_stale(self, *args)
+    def counting(self, request, *args):
+        releases.append(request.history_length)
+        return release_stale(self, request, *args)
 
     monkeypatch.setattr(Growth, "_release_stale", counting)
     cache = m.create_kv_cache()

@@ -1,6 +1,6 @@
 """A request's KV cache: `KVCache` and what it needs from its manager."""
 
-from kvpool.cache.kvcache import KVCache
+from kvpool.cache.kvcache import CacheParts, KVCache
 from kvpool.cache.state import (
     GPU_LEVEL,
     CacheContext,
@@ -12,6 +12,7 @@ from kvpool.cache.state import (
 __all__ = [
     "GPU_LEVEL",
     "CacheContext",
+    "CacheParts",
     "KVCache",
     "KVCacheStatus",
     "PriorityCallback",

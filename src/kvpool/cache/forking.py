@@ -17,26 +17,26 @@ from __future__ import annotations
 
 from typing import SupportsIndex, cast
 
-from kvpool.cache.remote_loading import RemoteLoading
-from kvpool.cache.state import ACTIVE, GPU_LEVEL, RequestState
+from kvpool.cache.state import ACTIVE, GPU_LEVEL, CacheContext, RequestState
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
 from kvpool.records import Page
 
 
-class Forking(RemoteLoading):
+class Forking:
     """`prepare_write`, and the copy of a request that `KVCacheManager.fork_kv_cache` makes."""
 
-    def prepare_write(self, begin: SupportsIndex, end: SupportsIndex) -> bool:
-        """Make the pages of token positions [begin, end) this request's alone before the
-        engine writes their KV: a page shared with a fork (or with the tree) is copied into a
-        new private page, once. Returns False, with nothing changed, when no slot can be had
-        even by eviction. `begin >= num_committed_tokens` (committed tokens are final) and
-        `end <= capacity`."""
-        if self._status is not ACTIVE:
-            self._require_active("prepare_write")
+    def __init__(self, context: CacheContext) -> None:
+        self._ctx = context
+
+    def prepare_write(
+        self, request: RequestState, begin: SupportsIndex, end: SupportsIndex
+    ) -> bool:
+        """`KVCache.prepare_write`."""
+        if request._status is not ACTIVE:
+            request._require_active("prepare_write")
         for name, value, low, high in (
-            ("begin", begin, self._committed, self._capacity),
-            ("end", end, begin if type(begin) is int else 0, self._capacity),
+            ("begin", begin, request._committed, request._capacity),
+            ("end", end, begin if type(begin) is int else 0, request._capacity),
         ):
             if type(value) is not int or not low <= value <= high:
                 raise ArgumentError(
@@ -45,12 +45,12 @@ class Forking(RemoteLoading):
         begin, end = cast(int, begin), cast(int, end)  # (checked)
         if begin == end:
             return True
-        tpb = self._tpb
+        tpb = request._tpb
         shared = [
             (g, index, page)
-            for g in self._attention_groups
+            for g in request._attention_groups
             for index in range(begin // tpb, -(-end // tpb))
-            if (page := self._pages[g][index]) is not None
+            if (page := request._pages[g][index]) is not None
             and (page.block is not None or page.locks + page.holds > 1)
         ]
         if not shared:
@@ -68,7 +68,7 @@ class Forking(RemoteLoading):
         private: list[Page] = []
         try:
             for g, _, _ in shared:
-                private.append(self._new_page(g))
+                private.append(request._new_page(g))
             migration.copy_pages(
                 [(page, copy) for (_, _, page), copy in zip(shared, private, strict=True)]
             )
@@ -81,46 +81,46 @@ class Forking(RemoteLoading):
                 owners.unlock(copy)
             raise
         for (g, index, page), copy in zip(shared, private, strict=True):
-            self._set_page(g, index, copy)
+            request._set_page(g, index, copy)
             owners.unlock(page)
         self._ctx.counters.copy_on_write_pages += len(private)
-        if self._checks:
+        if request._checks:
             self._ctx.check()
         return True
 
-    def _fork_into(self, child: RequestState) -> None:
-        """Make `child` (new, SUSPENDED, holding nothing) an ACTIVE copy of this ACTIVE request:
+    def fork_into(self, request: RequestState, child: RequestState) -> None:
+        """Make `child` (new, SUSPENDED, holding nothing) an ACTIVE copy of the ACTIVE `request`:
         the same lengths, committed tail and page tables, every attention page locked once more
         (shared), each SSM live state copied into a page of its own. `OutOfPagesError` (no slot
         for a state) or `StorageError` (the copy failed) with nothing changed."""
-        if self._status is not ACTIVE:
+        if request._status is not ACTIVE:
             raise LogicError(
-                f"fork_kv_cache() of KV cache {self.id}, which is {self._status.value} "
+                f"fork_kv_cache() of KV cache {request.id}, which is {request._status.value} "
                 "(it must be active)"
             )
         owners, migration = self._ctx.owners, self._ctx.migration
         states: list[tuple[int, Page]] = []  # (SSM layer group, the child's copy of its state)
         try:
-            for g in self._ssm:
-                if self._pages[g][0] is not None:
-                    states.append((g, self._new_page(g)))
-            migration.copy_pages([(self._pages[g][0], copy) for g, copy in states])  # type: ignore[misc]
+            for g in request._ssm:
+                if request._pages[g][0] is not None:
+                    states.append((g, request._new_page(g)))
+            migration.copy_pages([(request._pages[g][0], copy) for g, copy in states])  # type: ignore[misc]
         except BaseException:
             for _, copy in states:
                 owners.unlock(copy)
             raise
-        for g in self._attention_groups:
-            for page in self._pages[g]:
+        for g in request._attention_groups:
+            for page in request._pages[g]:
                 if page is not None:
                     owners.lock(page)
-        child._table.copy_from(self._table)
+        child._table.copy_from(request._table)
         for g, copy in states:
             child._table.set(g, 0, copy)
-        child._capacity, child._history = self._capacity, self._history
-        child._committed, child._committing = self._committed, self._committing
-        child._prev_key, child._tail = self._prev_key, list(self._tail)
-        child._released_end = list(self._released_end)
-        child._window_check = self._window_check
-        child.reused_length = self.reused_length
+        child._capacity, child._history = request._capacity, request._history
+        child._committed, child._committing = request._committed, request._committing
+        child._prev_key, child._tail = request._prev_key, list(request._tail)
+        child._released_end = list(request._released_end)
+        child._window_check = request._window_check
+        child.reused_length = request.reused_length
         child._status = ACTIVE
         self._ctx.counters.forks += 1

@@ -6,52 +6,61 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NoReturn, SupportsIndex
 
-from kvpool.cache.forking import Forking
-from kvpool.cache.state import ACTIVE, GPU_LEVEL
+from kvpool.cache.state import ACTIVE, GPU_LEVEL, CacheContext, RequestState
 from kvpool.errors import ArgumentError, LogicError
 from kvpool.records import Page
 
 
-class Growth(Forking):
+class Growth:
     """`resize` and the sliding-window release it does on the way."""
 
-    def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
-        """Reserve blocks for `capacity` tokens and advance the history. All or nothing: returns
-        False, with nothing changed, when the pages cannot be found even by eviction.
-        Blocks that fall out of a sliding window are released (sink blocks stay)."""
-        if self._status is not ACTIVE:
-            self._require_active("resize")
-        history = self._history if history_length is None else history_length
+    def __init__(self, context: CacheContext) -> None:
+        self._ctx = context
+        layout = context.layout
+        # (layer group, pool group) of each attention layer group, and their count per pool group
+        self._attention_pools = layout.attention_pools
+        self._attention_per_pool = layout.attention_per_pool
+
+    def resize(
+        self,
+        request: RequestState,
+        capacity: SupportsIndex,
+        history_length: SupportsIndex | None = None,
+    ) -> bool:
+        """`KVCache.resize`: the usual call (no block leaves a window) is kept short."""
+        if request._status is not ACTIVE:
+            request._require_active("resize")
+        history = request._history if history_length is None else history_length
         if (  # (one test for the usual call; bool is not accepted either)
             type(capacity) is not int
             or type(history) is not int
-            or not self._history <= history <= capacity
+            or not request._history <= history <= capacity
         ):
-            self._refuse_resize(capacity, history)
-        self._sum_capacity += capacity
-        self._sum_history += history
-        self._num_resizes += 1
-        tpb = self._tpb
-        old_blocks, new_blocks = -(-self._capacity // tpb), -(-capacity // tpb)
+            self._refuse_resize(request, capacity, history)
+        request._sum_capacity += capacity
+        request._sum_history += history
+        request._num_resizes += 1
+        tpb = request._tpb
+        old_blocks, new_blocks = -(-request._capacity // tpb), -(-capacity // tpb)
         stale: list[tuple[int, tuple[int, int]]] | tuple[()] = ()
         unchanged = True
-        if self._windowed and history >= self._window_check:
-            stale = [(g, lc.stale_range(history, tpb)) for g, lc in self._windowed]
-            unchanged = all(end <= self._released_end[g] for g, (_, end) in stale)
+        if request._windowed and history >= request._window_check:
+            stale = [(g, lc.stale_range(history, tpb)) for g, lc in request._windowed]
+            unchanged = all(end <= request._released_end[g] for g, (_, end) in stale)
             if unchanged:
-                self._window_check = self._next_window_check()
+                request._window_check = self._next_window_check(request)
         if unchanged:  # nothing leaves a window: the common case, kept short
-            if new_blocks > old_blocks and not self._grow(new_blocks - old_blocks):
+            if new_blocks > old_blocks and not self._grow(request, new_blocks - old_blocks):
                 return False
             if new_blocks >= old_blocks:
-                self._capacity, self._history = capacity, history
-                if self._checks:
+                request._capacity, request._history = capacity, history
+                if request._checks:
                     self._ctx.check()
                 return True
         if new_blocks == old_blocks:  # only blocks leaving a window (decode, or after a prefill)
-            self._release_stale(stale, old_blocks)
-            self._capacity, self._history = capacity, history
-            if self._checks:
+            self._release_stale(request, stale, old_blocks)
+            request._capacity, request._history = capacity, history
+            if request._checks:
                 self._ctx.check()
             return True
         layout, owners, allocation, state = (
@@ -63,13 +72,13 @@ class Growth(Forking):
         stale_of = dict(stale)
         releases: list[tuple[int, int]] = []
         grants: dict[int, list[int]] = {}
-        for g in self._attention_groups:
-            pages = self._pages[g]
+        for g in request._attention_groups:
+            pages = request._pages[g]
             beg, end = stale_of.get(g, (0, 0))
             # Newly stale blocks, then blocks past a smaller capacity (stale ones never reach
             # that far: end <= ceil(history / tpb) <= new_blocks).
             for index in (
-                *range(max(beg, self._released_end[g]), min(end, old_blocks)),
+                *range(max(beg, request._released_end[g]), min(end, old_blocks)),
                 *range(new_blocks, old_blocks),
             ):
                 if pages[index] is not None:
@@ -83,7 +92,7 @@ class Growth(Forking):
         recycle: dict[int, list[int]] = {}  # layer group -> blocks whose page moves to a new block
         freed_committed: dict[int, list[Page]] = {}  # per pool group
         for g, index in releases:
-            page = self._pages[g][index]
+            page = request._pages[g][index]
             assert page is not None
             if page.locks + page.holds == 1:
                 if page.block is None:
@@ -108,15 +117,15 @@ class Growth(Forking):
         unlocking: list[Page] = []  # (in one call: cached pages are queued in one batch)
         for g, index in releases:
             if index in recycle.get(g, ()):
-                page = self._pages[g][index]
+                page = request._pages[g][index]
                 assert page is not None
                 recycled.setdefault(g, []).append(page)  # keeps its slot and our lock
-                self._table.clear(g, index)
+                request._table.clear(g, index)
             else:
-                unlocking.append(self._table.clear(g, index))
+                unlocking.append(request._table.clear(g, index))
         owners.unlock_all(unlocking)
-        for g in self._attention_groups:
-            self._table.resize(g, new_blocks)
+        for g in request._attention_groups:
+            request._table.resize(g, new_blocks)
         if drop_own:
             for pool_group, pages_freed in freed_committed.items():
                 missing = fresh[pool_group] - state.num_free(GPU_LEVEL, pool_group)
@@ -124,52 +133,58 @@ class Growth(Forking):
                     owners.drop([page for page in pages_freed if page.queued][:missing])
         for g, wanted in grants.items():
             reuse = recycled.get(g, [])
-            reuse += self._new_pages(g, len(wanted) - len(reuse))
-            self._table.set_many(g, wanted, reuse)
-        self._advance_released(stale)
-        self._capacity, self._history = capacity, history
-        if self._checks:
+            reuse += request._new_pages(g, len(wanted) - len(reuse))
+            request._table.set_many(g, wanted, reuse)
+        self._advance_released(request, stale)
+        request._capacity, request._history = capacity, history
+        if request._checks:
             self._ctx.check()
         return True
 
-    def _refuse_resize(self, capacity: object, history: object) -> NoReturn:
+    def _refuse_resize(self, request: RequestState, capacity: object, history: object) -> NoReturn:
         """Raise the error for `resize` arguments that fail its checks, the first one first."""
         if type(capacity) is not int or capacity < 0:
             raise ArgumentError(f"capacity={capacity!r} is invalid: must be an integer >= 0")
         if type(history) is not int or history < 0:
             raise ArgumentError(f"history_length={history!r} is invalid: must be an integer >= 0")
-        if history < self._history:
-            raise LogicError(f"history_length cannot decrease (from {self._history} to {history})")
+        if history < request._history:
+            raise LogicError(
+                f"history_length cannot decrease (from {request._history} to {history})"
+            )
         raise LogicError(f"history_length {history} cannot exceed capacity {capacity}")
 
-    def _release_stale(self, stale: Sequence[tuple[int, tuple[int, int]]], num_blocks: int) -> None:
+    def _release_stale(
+        self, request: RequestState, stale: Sequence[tuple[int, tuple[int, int]]], num_blocks: int
+    ) -> None:
         """Unlock the blocks newly out of each window (a run per layer group, sinks kept), in
         one call, in the order `resize`'s general path releases them."""
         unlocking: list[Page] = []
         for g, (beg, end) in stale:
-            first, stop = max(beg, self._released_end[g]), min(end, num_blocks)
+            first, stop = max(beg, request._released_end[g]), min(end, num_blocks)
             if first < stop:
-                unlocking += self._table.clear_range(g, first, stop)
+                unlocking += request._table.clear_range(g, first, stop)
         self._ctx.owners.unlock_all(unlocking)
-        self._advance_released(stale)
+        self._advance_released(request, stale)
 
-    def _advance_released(self, stale: Sequence[tuple[int, tuple[int, int]]]) -> None:
+    def _advance_released(
+        self, request: RequestState, stale: Sequence[tuple[int, tuple[int, int]]]
+    ) -> None:
         """Record how far each window has released its blocks, and when to look again."""
         for g, (_, end) in stale:
-            if end > self._released_end[g]:
-                self._released_end[g] = end
-        self._window_check = self._next_window_check()
+            if end > request._released_end[g]:
+                request._released_end[g] = end
+        request._window_check = self._next_window_check(request)
 
-    def _next_window_check(self) -> int:
+    def _next_window_check(self, request: RequestState) -> int:
         """The least history length at which a sliding window may let a block beyond the
         released ones go (`stale_range`'s end passes them: h + 1 - w >= (released + 1) * tpb)."""
         check = 2**63
-        for g, lc in self._windowed:
+        for g, lc in request._windowed:
             assert lc.window is not None
-            check = min(check, (self._released_end[g] + 1) * self._tpb + lc.window - 1)
+            check = min(check, (request._released_end[g] + 1) * request._tpb + lc.window - 1)
         return check
 
-    def _grow(self, count: int) -> bool:
+    def _grow(self, request: RequestState, count: int) -> bool:
         """Append `count` new blocks to every attention layer group (all or nothing)."""
         allocation = self._ctx.allocation
         per_pool = self._attention_per_pool
@@ -178,5 +193,5 @@ class Growth(Forking):
         ):
             return False
         for g, pool_group in self._attention_pools:
-            self._table.extend(g, allocation.new_pages(GPU_LEVEL, pool_group, g, count, locks=1))
+            request._table.extend(g, allocation.new_pages(GPU_LEVEL, pool_group, g, count, locks=1))
         return True

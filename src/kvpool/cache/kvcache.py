@@ -1,20 +1,90 @@
-"""KVCache: one request's KV cache and its life cycle (resume, suspend, prefetch, close), built
-from its growth (`Growth`) and its commits (`Commits`) on the shared `RequestState`."""
+"""KVCache: one request's KV cache, the handle an engine holds. It is the request's state
+(`RequestState`) and its life cycle (resume, suspend, prefetch, close); what changes its pages
+step by step is done by parts made once per manager (`CacheParts`), which it calls with itself:
+`Growth` (resize, sliding windows), `Commits` (commit, the radix tree), `Forking`
+(copy-on-write, forks) and `RemoteLoading` (the remote part of a reused prefix)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import SupportsIndex
 
+from kvpool.cache.commits import Commits
+from kvpool.cache.forking import Forking
 from kvpool.cache.growth import Growth
-from kvpool.cache.state import GPU_LEVEL, KVCacheStatus
+from kvpool.cache.remote_loading import RemoteLoading
+from kvpool.cache.state import (
+    GPU_LEVEL,
+    CacheContext,
+    KVCacheStatus,
+    PriorityCallback,
+    RequestState,
+)
 from kvpool.errors import LogicError
+from kvpool.radix import Match
 from kvpool.records import Block, Page
 from kvpool.tiers import Staged
+from kvpool.tokens import Token
 from kvpool.validation import check_index
 
 
-class KVCache(Growth):
+class CacheParts:
+    """What every request's cache of one manager calls: one object per concern, stateless
+    between calls (a request's state is its own), each given only what it needs."""
+
+    def __init__(self, context: CacheContext) -> None:
+        self.commits = Commits(context)
+        self.remote_loading = RemoteLoading(context, self.commits)
+        self.forking = Forking(context)
+        self.growth = Growth(context)
+
+
+class KVCache(RequestState):
     """One request's KV cache. Created SUSPENDED by `KVCacheManager.create_kv_cache`."""
+
+    def __init__(
+        self,
+        context: CacheContext,
+        parts: CacheParts,
+        cache_id: int,
+        scope_key: bytes,
+        priority_callback: PriorityCallback | None,
+        exclude_from_stats: bool = False,
+    ) -> None:
+        super().__init__(context, cache_id, scope_key, priority_callback, exclude_from_stats)
+        self._parts = parts
+
+    def resize(self, capacity: SupportsIndex, history_length: SupportsIndex | None = None) -> bool:
+        """Reserve blocks for `capacity` tokens and advance the history. All or nothing: returns
+        False, with nothing changed, when the pages cannot be found even by eviction.
+        Blocks that fall out of a sliding window are released (sink blocks stay)."""
+        return self._parts.growth.resize(self, capacity, history_length)
+
+    def commit(self, tokens: Sequence[Token]) -> None:
+        """Make the next `tokens` (whose KV is written) final. Every block they fill goes into
+        the radix tree; if an identical block is already there, this request switches to the
+        tree's pages and frees its own."""
+        self._parts.commits.commit(self, tokens)
+
+    def stop_committing(self) -> None:
+        """No more commits: the unfinished tail block goes into the tree as a partial block."""
+        self._parts.commits.stop_committing(self)
+
+    def prepare_write(self, begin: SupportsIndex, end: SupportsIndex) -> bool:
+        """Make the pages of token positions [begin, end) this request's alone before the
+        engine writes their KV: a page shared with a fork (or with the tree) is copied into a
+        new private page, once. Returns False, with nothing changed, when no slot can be had
+        even by eviction. `begin >= num_committed_tokens` (committed tokens are final) and
+        `end <= capacity`."""
+        return self._parts.forking.prepare_write(self, begin, end)
+
+    def adopt_match(self, match: Match, tokens: Sequence[Token]) -> None:
+        """At creation: hold the pages of the reused prefix `match` (see `Commits`)."""
+        self._parts.commits.adopt_match(self, match, tokens)
+
+    def _fork_into(self, child: RequestState) -> None:
+        """Make `child` an ACTIVE copy of this request (see `Forking.fork_into`)."""
+        self._parts.forking.fork_into(self, child)
 
     def resume(self) -> bool:
         """Bring every page the request needs to the GPU level and lock it there. Returns False
@@ -38,7 +108,7 @@ class KVCache(Growth):
             used = total - state.num_available(GPU_LEVEL, pool_group)
             if total and used / total > self._ctx.max_util_for_resume:
                 return self._resume_failed()
-        if self._remote is not None and not self._load_remote(GPU_LEVEL):
+        if self._remote is not None and not self._parts.remote_loading.load(self, GPU_LEVEL):
             return self._resume_failed()
         ours = [page for pages in self._pages for page in pages if page is not None]
         extra = [0] * layout.num_pool_groups  # private copies made on first resume
@@ -90,7 +160,7 @@ class KVCache(Growth):
             )
         owners, allocation, state = self._ctx.owners, self._ctx.allocation, self._ctx.state
         level = check_index("level", level, len(state.levels))
-        if self._remote is not None and not self._load_remote(level):
+        if self._remote is not None and not self._parts.remote_loading.load(self, level):
             self._after_call()
             return False
         ours = [page for pages in self._pages for page in pages if page is not None]
@@ -169,7 +239,7 @@ class KVCache(Growth):
         Committed pages stay cached in the tree for reuse."""
         if self._status is KVCacheStatus.CLOSED:
             return
-        self._forget_remote()
+        self._parts.remote_loading.forget(self)
         if self._committing:
             self.stop_committing()
         owners = self._ctx.owners

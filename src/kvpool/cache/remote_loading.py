@@ -11,22 +11,28 @@ drops to it (the engine recomputes the rest).
 from __future__ import annotations
 
 from kvpool.cache.commits import Commits
+from kvpool.cache.state import CacheContext, RequestState
 from kvpool.errors import OutOfPagesError
 from kvpool.records import Page
 from kvpool.tokens import Token
 
 
-class RemoteLoading(Commits):
-    """The remote part of the reused prefix, loaded on first use."""
+class RemoteLoading:
+    """The remote part of a request's reused prefix, loaded on first use (and adopted through
+    `Commits`)."""
 
-    def _load_remote(self, level: int) -> bool:
+    def __init__(self, context: CacheContext, commits: Commits) -> None:
+        self._ctx = context
+        self._commits = commits
+
+    def load(self, request: RequestState, level: int) -> bool:
         """Fetch the remote prefix into pages at `level` (or colder) and adopt it. False, with
         nothing changed and the prefix still pending, when no level has room for its pages."""
-        prefix, remote = self._remote, self._ctx.remote
+        prefix, remote = request._remote, self._ctx.remote
         assert prefix is not None and remote is not None
         end, payloads = remote.fetch(prefix)
         if end == prefix.start:
-            self._forget_remote()
+            self.forget(request)
             return True
         owners, migration, layout, tree = (
             self._ctx.owners,
@@ -51,8 +57,8 @@ class RemoteLoading(Commits):
                 return False
             raise
         parent = (
-            tree.root(self._scope_key)
-            if prefix.parent_key == self._scope_key
+            tree.root(request._scope_key)
+            if prefix.parent_key == request._scope_key
             else tree.index.get(prefix.parent_key)
         )
         if parent is not None:
@@ -67,9 +73,9 @@ class RemoteLoading(Commits):
                 ):  # (else another request committed it meanwhile: keep that)
                     tree.attach(block, page)
             remote.note_hit(count)
-        tokens = prefix.tokens[: end * self._tpb]
-        self._forget_remote()
-        self._readopt(tokens)
+        tokens = prefix.tokens[: end * request._tpb]
+        self.forget(request)
+        self._readopt(request, tokens)
         for _, _, page in fetched:
             owners.settle(page)  # held now, or freed when unused
         return True
@@ -83,28 +89,28 @@ class RemoteLoading(Commits):
                 continue
         raise OutOfPagesError(f"no level has {count} slots for the fetched remote pages")
 
-    def _readopt(self, tokens: list[Token]) -> None:
+    def _readopt(self, request: RequestState, tokens: list[Token]) -> None:
         """Adopt the tree's longest usable match of `tokens` in place of the current one."""
-        previous = self._release_adoption()
-        match = self._ctx.tree.match(self._scope_key, tokens, False)
-        self.adopt_match(match, tokens)
+        previous = self._release_adoption(request)
+        match = self._ctx.tree.match(request._scope_key, tokens, False)
+        self._commits.adopt_match(request, match, tokens)
         owners = self._ctx.owners
         for page in previous:
             owners.unhold(page)
 
-    def _release_adoption(self) -> list[Page]:
+    def _release_adoption(self, request: RequestState) -> list[Page]:
         """Clear the adopted prefix (only ever before the first resume); returns the pages it
         held, still held, for the caller to unhold once it holds the new ones."""
         held: list[Page] = []
-        for g in range(len(self._pages)):
-            held += [page for page in self._table.clear_all(g) if page is not None]
-        held += [page for _, index, page in self._deferred if index < 0]
-        self._deferred = []
-        self._released_end = [0] * len(self._pages)
-        self._prev_key = self._scope_key
-        self._tail = []
-        self._capacity = self._history = self._committed = self.reused_length = 0
+        for g in range(len(request._pages)):
+            held += [page for page in request._table.clear_all(g) if page is not None]
+        held += [page for _, index, page in request._deferred if index < 0]
+        request._deferred = []
+        request._released_end = [0] * len(request._pages)
+        request._prev_key = request._scope_key
+        request._tail = []
+        request._capacity = request._history = request._committed = request.reused_length = 0
         return held
 
-    def _forget_remote(self) -> None:
-        self._remote = None
+    def forget(self, request: RequestState) -> None:
+        request._remote = None

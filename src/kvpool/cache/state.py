@@ -105,8 +105,6 @@ class RequestState:
         self._tail: list[Token] = []  # committed tokens of the unfinished block
         self._attention = layout.attention
         self._attention_groups = [g for g, _ in layout.attention_pools]
-        self._attention_pools = layout.attention_pools
-        self._attention_per_pool = layout.attention_per_pool
         self._windowed = layout.windowed
         self._ssm = layout.ssm_groups
         self._table = PageTable(len(layout.life_cycles), self._ssm)

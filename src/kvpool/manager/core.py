@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, SupportsIndex
 
 from kvpool import _debug
-from kvpool.cache import CacheContext, KVCache, RequestState
+from kvpool.cache import CacheContext, CacheParts, KVCache, RequestState
 from kvpool.cache.timed import TimedKVCache
 from kvpool.config import (
     CacheTier,
@@ -165,6 +165,7 @@ class ManagerCore:
             counters=self._counters,
             policy=self._policy,
         )
+        self._cache_parts = CacheParts(self._context)
 
     def _drop(self, pages: Sequence[Page]) -> Sequence[Page]:
         """The tree's `remove_pages`, telling the eviction policy (last level) and the remote

@@ -53,7 +53,9 @@ class KVCacheManager(Rebalancing):
         if self._kv_events is not None and scope_key not in self._kv_events.scopes:
             scope = cast(ReuseScope, reuse_scope or ReuseScope())  # (checked by root_key)
             self._kv_events.scopes[scope_key] = scope  # (lora ids, salts)
-        cache = self._cache_class(self._context, id, scope_key, priority_callback, exclude)
+        cache = self._cache_class(
+            self._context, self._cache_parts, id, scope_key, priority_callback, exclude
+        )
         counters = self._counters
         counters.requests += 1
         counters.query_tokens += len(tokens)
@@ -84,7 +86,12 @@ class KVCacheManager(Rebalancing):
             fail("cache", cache, "an open KV cache of this manager")
         id = self._new_id(id)
         child = self._cache_class(
-            self._context, id, cache._scope_key, cache._priority_callback, cache.exclude_from_stats
+            self._context,
+            self._cache_parts,
+            id,
+            cache._scope_key,
+            cache._priority_callback,
+            cache.exclude_from_stats,
         )
         cache._fork_into(child)
         if self._storage.state.events is not None:
