@@ -1,4 +1,4 @@
-"""What every part of a request's KV cache shares: its state, lengths, pages and page tables.
+"""A request's state: lengths, pages and page tables, what the parts of its cache read and change.
 
 Lengths: ``num_committed_tokens <= history_length <= capacity``. `capacity` tokens have blocks
 (``ceil(capacity / tokens_per_block)``); the KV of the first `history_length` tokens is computed;
@@ -7,8 +7,9 @@ committed tokens are final and their full blocks are in the radix tree.
 Every page in the request's tables is owned by it: locked while ACTIVE, held while SUSPENDED.
 Per step the work is proportional to the blocks that change, never to the history.
 
-`KVCache` is assembled from parts that each add one concern to this state: `Growth` (resize and
-sliding windows), `Commits` (commit and radix-tree insertion) and the life cycle in `kvcache`.
+`KVCache` is this state plus its life cycle; the parts that change it step by step (`Growth`:
+resize and sliding windows, `Commits`: commit and radix-tree insertion, `Forking`, and
+`RemoteLoading`) are objects made once per manager that are called with the request.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class CacheContext:
 
 
 class RequestState:
-    """One request's state (see the module docstring); the parts of `KVCache` build on it."""
+    """One request's state (see the module docstring); the parts of its cache are given it."""
 
     def __init__(
         self,
