@@ -1,6 +1,6 @@
 """kvpool.ghosts: the C ghost table of the native backend against its reference (ghosts.py),
-both against a plain model: random puts, takes and forgets (growth, compaction, holes, keys of
-any length, colliding prefixes); the same values, the same order; bad arguments refused alike,
+both against a plain model: random puts, takes and forgets, one by one and in batches (growth,
+compaction, holes, keys of any length, colliding prefixes, a key twice in a batch); the same values, the same order; bad arguments refused alike,
 changing nothing."""
 
 from __future__ import annotations
@@ -37,9 +37,18 @@ def test_matches_an_ordered_dict_under_random_operations(module, seed):
     table, model = module.GhostTable(), OrderedDict()
     pool = rng.choice([20, 300, 5000])
     for step in range(6000):
-        op = rng.randrange(10)
+        op = rng.randrange(12)
         key = random_key(rng, pool)
-        if op < 5:
+        if op == 10:  # a batch of puts (a key may come twice: the last value stays)
+            keys = [random_key(rng, pool) for _ in range(rng.randrange(40))]
+            values = [rng.randrange(1 << 30) for _ in keys]
+            table.put_many(keys, values)
+            for k, v in zip(keys, values, strict=True):
+                model[k] = v
+        elif op == 11:  # a batch of takes (a key twice: found once, then absent)
+            keys = [random_key(rng, pool) for _ in range(rng.randrange(40))]
+            assert table.take_many(keys) == [model.pop(k, -1) for k in keys]
+        elif op < 5:
             value = rng.randrange(2**63) if rng.random() < 0.1 else rng.randrange(1 << 30)
             table.put(key, value)
             model[key] = value  # (an existing key keeps its place)
@@ -91,6 +100,14 @@ def test_many_entries_then_all_forgotten_in_order(module):
         (lambda t: t.forget(-1), ValueError, "count must be an int >= 0, got -1"),
         (lambda t: t.forget(-(2**70)), ValueError, "count must be an int >= 0"),
         (lambda t: t.forget(1.5), ValueError, "count must be an int >= 0"),
+        # A batch is checked whole before anything is put or taken.
+        (lambda t: t.put_many([b"a", b"c", "d"], [5, 6, 7]), TypeError, "key must be bytes"),
+        (lambda t: t.put_many([b"a", b"c"], [5, -6]), ValueError, "value must be an int"),
+        (lambda t: t.put_many([b"a", b"c"], [5]), ValueError, "2 keys, 1 values"),
+        (lambda t: t.put_many((b"a",), [5]), TypeError, "keys must be a list, not tuple"),
+        (lambda t: t.put_many([b"a"], (5,)), TypeError, "values must be a list, not tuple"),
+        (lambda t: t.take_many([b"a", 3]), TypeError, "key must be bytes, not int"),
+        (lambda t: t.take_many(b"ab"), TypeError, "keys must be a list, not bytes"),
     ],
 )
 def test_bad_arguments_are_refused_and_change_nothing(module, call, error, match):

@@ -18,6 +18,9 @@ order, never depend on it. */
 #define EMPTY (-1)
 #define MIN_CAPACITY 8
 #define LOW32 ((int64_t)0xffffffff)
+/* How many keys ahead the batch calls ask for their index slots: in a table of a million
+   entries nearly every probe misses the caches, and a batch's misses then overlap. */
+#define PREFETCH_AHEAD 8
 
 typedef struct {
     PyObject_HEAD
@@ -63,12 +66,10 @@ static Py_ssize_t find(GhostTable *t, PyObject *key, Py_hash_t h, size_t *where)
         if (slot == EMPTY) {
             return -1;
         }
-        if ((slot & ~LOW32) == tag) {
-            size_t e = place_of(slot);
-            if (t->hashes[e] == h && same_key(t->keys[e], key)) {
-                *where = i;
-                return (Py_ssize_t)e;
-            }
+        /* (The key itself settles it: reading the full hash first would be one more miss.) */
+        if ((slot & ~LOW32) == tag && same_key(t->keys[place_of(slot)], key)) {
+            *where = i;
+            return (Py_ssize_t)place_of(slot);
         }
     }
 }
@@ -191,6 +192,25 @@ static void ghosts_dealloc(GhostTable *t) {
 
 static Py_ssize_t ghosts_len(GhostTable *t) { return t->live; }
 
+/* Ask for the index slot where the probe for hash h starts (a hint: changes nothing). */
+static inline void prefetch_slot(GhostTable *t, Py_hash_t h) {
+    __builtin_prefetch(&t->index[tag_of(h) & t->mask]);
+}
+
+/* `key`'s value (hash h), or -1; removed with `take`. */
+static int64_t lookup_one(GhostTable *t, PyObject *key, Py_hash_t h, int take) {
+    size_t i;
+    Py_ssize_t e = find(t, key, h, &i);
+    if (e < 0) {
+        return -1;
+    }
+    int64_t value = t->values[e];
+    if (take) {
+        remove_entry(t, (size_t)e, i);
+    }
+    return value;
+}
+
 static PyObject *lookup(GhostTable *t, PyObject *key, int take) {
     if (check_key(key) < 0) {
         return NULL;
@@ -199,21 +219,166 @@ static PyObject *lookup(GhostTable *t, PyObject *key, int take) {
     if (h == -1) {
         return NULL;
     }
-    size_t i;
-    Py_ssize_t e = find(t, key, h, &i);
-    if (e < 0) {
-        return PyLong_FromLong(-1);
-    }
-    int64_t value = t->values[e];
-    if (take) {
-        remove_entry(t, (size_t)e, i);
-    }
-    return PyLong_FromLongLong(value);
+    return PyLong_FromLongLong(lookup_one(t, key, h, take));
 }
 
 static PyObject *ghosts_get(GhostTable *t, PyObject *key) { return lookup(t, key, 0); }
 
 static PyObject *ghosts_take(GhostTable *t, PyObject *key) { return lookup(t, key, 1); }
+
+/* Set `key`'s value (hash h, value checked); -1 with an exception when the table cannot
+   grow (nothing changed). */
+static int put_one(GhostTable *t, PyObject *key, Py_hash_t h, int64_t value) {
+    size_t i;
+    Py_ssize_t e = find(t, key, h, &i);
+    if (e >= 0) { /* (its place stays) */
+        t->values[e] = value;
+        return 0;
+    }
+    size_t capacity = t->ring + 1;
+    if (t->span == capacity && /* full: grow if more than half of it is live, else compact */
+        rebuild(t, 2 * (size_t)t->live >= capacity ? 2 * capacity : capacity) < 0) {
+        return -1;
+    }
+    size_t place = (t->head + t->span++) & t->ring;
+    Py_INCREF(key);
+    t->keys[place] = key;
+    t->hashes[place] = h;
+    t->values[place] = value;
+    index_add(t->index, t->mask, place, h);
+    t->live++;
+    return 0;
+}
+
+/* A value argument as an int64 in [0, INT64_MAX], or -1 with ValueError. */
+static int64_t check_value(PyObject *arg) {
+    int overflow = 0;
+    long long value = PyLong_CheckExact(arg) ? PyLong_AsLongLongAndOverflow(arg, &overflow) : -1;
+    if (value == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow || value < 0) {
+        PyObject *repr = PyObject_Repr(arg);
+        if (repr != NULL) {
+            PyErr_Format(PyExc_ValueError, "value must be an int in [0, %lld], got %U",
+                         (long long)INT64_MAX, repr);
+            Py_DECREF(repr);
+        }
+        return -1;
+    }
+    return (int64_t)value;
+}
+
+/* The hashes of a list of keys, all checked first (NULL with an exception: nothing done). */
+static Py_hash_t *hashes_of(PyObject *keys) {
+    if (!PyList_CheckExact(keys)) {
+        PyErr_Format(PyExc_TypeError, "keys must be a list, not %s", Py_TYPE(keys)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    Py_hash_t *hashes = PyMem_Malloc(sizeof(Py_hash_t) * (size_t)(n ? n : 1));
+    if (hashes == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *key = PyList_GET_ITEM(keys, k);
+        if (check_key(key) < 0 || (hashes[k] = PyObject_Hash(key)) == -1) {
+            PyMem_Free(hashes);
+            return NULL;
+        }
+    }
+    return hashes;
+}
+
+/* take() of each key, in order; the index slots are asked for ahead. Only a MemoryError while
+   making the result's ints (after the takes) leaves keys taken with their values lost. */
+static PyObject *ghosts_take_many(GhostTable *t, PyObject *keys) {
+    Py_hash_t *hashes = hashes_of(keys);
+    if (hashes == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    PyObject *values = PyList_New(n);
+    if (values == NULL) {
+        PyMem_Free(hashes);
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n && k < PREFETCH_AHEAD; k++) {
+        prefetch_slot(t, hashes[k]);
+    }
+    int64_t *taken = (int64_t *)hashes; /* (each hash is read before its value is written) */
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (k + PREFETCH_AHEAD < n) {
+            prefetch_slot(t, hashes[k + PREFETCH_AHEAD]);
+        }
+        taken[k] = lookup_one(t, PyList_GET_ITEM(keys, k), hashes[k], 1);
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *item = PyLong_FromLongLong(taken[k]);
+        if (item == NULL) {
+            Py_DECREF(values);
+            PyMem_Free(hashes);
+            return NULL;
+        }
+        PyList_SET_ITEM(values, k, item);
+    }
+    PyMem_Free(hashes);
+    return values;
+}
+
+/* put() of each (key, value), in order, every argument checked first; the index slots are asked
+   for ahead. Only a MemoryError (the table cannot grow) stops it part way: the pairs before it
+   are put. */
+static PyObject *ghosts_put_many(GhostTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put_many(keys, values) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *keys = args[0], *values = args[1];
+    if (!PyList_CheckExact(values)) {
+        PyErr_Format(PyExc_TypeError, "values must be a list, not %s", Py_TYPE(values)->tp_name);
+        return NULL;
+    }
+    if (PyList_CheckExact(keys) && PyList_GET_SIZE(keys) != PyList_GET_SIZE(values)) {
+        PyErr_Format(PyExc_ValueError, "keys and values must be as long: %zd keys, %zd values",
+                     PyList_GET_SIZE(keys), PyList_GET_SIZE(values));
+        return NULL;
+    }
+    Py_hash_t *hashes = hashes_of(keys);
+    if (hashes == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    int64_t *checked = PyMem_Malloc(sizeof(int64_t) * (size_t)(n ? n : 1));
+    if (checked == NULL) {
+        PyMem_Free(hashes);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if ((checked[k] = check_value(PyList_GET_ITEM(values, k))) < 0) {
+            PyMem_Free(checked);
+            PyMem_Free(hashes);
+            return NULL;
+        }
+    }
+    int failed = 0;
+    for (Py_ssize_t k = 0; k < n && k < PREFETCH_AHEAD; k++) {
+        prefetch_slot(t, hashes[k]);
+    }
+    for (Py_ssize_t k = 0; k < n && !failed; k++) {
+        if (k + PREFETCH_AHEAD < n) {
+            prefetch_slot(t, hashes[k + PREFETCH_AHEAD]);
+        }
+        failed = put_one(t, PyList_GET_ITEM(keys, k), hashes[k], checked[k]) < 0;
+    }
+    PyMem_Free(checked);
+    PyMem_Free(hashes);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
 
 static PyObject *ghosts_put(GhostTable *t, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
@@ -224,43 +389,14 @@ static PyObject *ghosts_put(GhostTable *t, PyObject *const *args, Py_ssize_t nar
     if (check_key(key) < 0) {
         return NULL;
     }
-    int overflow = 0;
-    long long value = PyLong_CheckExact(args[1]) ? PyLong_AsLongLongAndOverflow(args[1], &overflow)
-                                                 : -1;
-    if (value == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (overflow || value < 0) {
-        PyObject *repr = PyObject_Repr(args[1]);
-        if (repr != NULL) {
-            PyErr_Format(PyExc_ValueError, "value must be an int in [0, %lld], got %U",
-                         (long long)INT64_MAX, repr);
-            Py_DECREF(repr);
-        }
+    int64_t value = check_value(args[1]);
+    if (value < 0) {
         return NULL;
     }
     Py_hash_t h = PyObject_Hash(key);
-    if (h == -1) {
+    if (h == -1 || put_one(t, key, h, value) < 0) {
         return NULL;
     }
-    size_t i;
-    Py_ssize_t e = find(t, key, h, &i);
-    if (e >= 0) { /* (its place stays) */
-        t->values[e] = value;
-        Py_RETURN_NONE;
-    }
-    size_t capacity = t->ring + 1;
-    if (t->span == capacity && /* full: grow if more than half of it is live, else compact */
-        rebuild(t, 2 * (size_t)t->live >= capacity ? 2 * capacity : capacity) < 0) {
-        return NULL;
-    }
-    size_t place = (t->head + t->span++) & t->ring;
-    Py_INCREF(key);
-    t->keys[place] = key;
-    t->hashes[place] = h;
-    t->values[place] = value;
-    index_add(t->index, t->mask, place, h);
-    t->live++;
     Py_RETURN_NONE;
 }
 
@@ -331,6 +467,8 @@ static PyMethodDef ghosts_methods[] = {
     {"get", (PyCFunction)ghosts_get, METH_O, NULL},
     {"take", (PyCFunction)ghosts_take, METH_O, NULL},
     {"put", (PyCFunction)(void (*)(void))ghosts_put, METH_FASTCALL, NULL},
+    {"take_many", (PyCFunction)ghosts_take_many, METH_O, NULL},
+    {"put_many", (PyCFunction)(void (*)(void))ghosts_put_many, METH_FASTCALL, NULL},
     {"forget", (PyCFunction)ghosts_forget, METH_O, NULL},
     {"items", (PyCFunction)ghosts_items, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},

@@ -1,8 +1,9 @@
 """The hazard policy's ghost table: what it remembers of blocks it dropped, oldest first.
 
 One entry per dropped block: its key -> an int the policy packs (last use and uses). The policy
-adds an entry at every drop, looks up every new block, and forgets the oldest entries once the
-table is full, so all three are O(1). Order is insertion order; setting a key that is already
+adds an entry at every drop, looks up every new block (both in batches: `put_many`,
+`take_many`), and forgets the oldest entries once the table is full, so all three are O(1) a
+key. Order is insertion order; setting a key that is already
 there changes its value, not its place (as a dict does). This file is the reference; the native
 backend runs `ghosts.c` beside it (an insertion-ordered open-addressing table of C ints: no
 Python node and no int object per entry), selected like the core's compiled modules.
@@ -18,6 +19,11 @@ MAX_VALUE = 2**63 - 1
 def _check_key(key: bytes) -> None:
     if type(key) is not bytes:
         raise TypeError(f"key must be bytes, not {type(key).__name__}")
+
+
+def _check_value(value: object) -> None:
+    if type(value) is not int or not 0 <= value <= MAX_VALUE:
+        raise ValueError(f"value must be an int in [0, {MAX_VALUE}], got {value!r}")
 
 
 class GhostTable:
@@ -43,9 +49,36 @@ class GhostTable:
     def put(self, key: bytes, value: int) -> None:
         """Set `key`'s value (a new key goes last)."""
         _check_key(key)
-        if type(value) is not int or not 0 <= value <= MAX_VALUE:
-            raise ValueError(f"value must be an int in [0, {MAX_VALUE}], got {value!r}")
+        _check_value(value)
         self._entries[key] = value
+
+    def take_many(self, keys: list[bytes]) -> list[int]:
+        """`take` each key, in order (the native form asks for the index slots ahead: the batch's
+        cache misses overlap). Keys are checked before any is taken."""
+        if type(keys) is not list:
+            raise TypeError(f"keys must be a list, not {type(keys).__name__}")
+        for key in keys:
+            _check_key(key)
+        pop = self._entries.pop
+        return [pop(key, -1) for key in keys]
+
+    def put_many(self, keys: list[bytes], values: list[int]) -> None:
+        """`put` each (key, value), in order; every argument is checked before any is put."""
+        if type(values) is not list:
+            raise TypeError(f"values must be a list, not {type(values).__name__}")
+        if type(keys) is list and len(keys) != len(values):
+            raise ValueError(
+                f"keys and values must be as long: {len(keys)} keys, {len(values)} values"
+            )
+        if type(keys) is not list:
+            raise TypeError(f"keys must be a list, not {type(keys).__name__}")
+        for key in keys:
+            _check_key(key)
+        for value in values:
+            _check_value(value)
+        entries = self._entries
+        for key, value in zip(keys, values, strict=True):
+            entries[key] = value
 
     def forget(self, count: int) -> list[int]:
         """Remove the `count` oldest entries (all, if fewer) and return their values, oldest

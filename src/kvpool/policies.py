@@ -184,13 +184,17 @@ class HazardPolicy(EvictionPolicy):
         parent = blocks[0].parent
         if parent is not None and parent.candidate:  # a leaf no more
             self._end(parent, now, reused=False)
-        ghosts, new = self.ghosts, 0
+        # The new blocks' ghosts, in one call (their lookups' cache misses overlap).
+        found = self.ghosts.take_many(
+            [block.key for block in blocks if not block.candidate and not block.uses]
+        )
+        new = 0
         for block in blocks:
             if block.candidate:
                 self._end(block, now, reused=True)
             elif not block.uses:  # new in the tree
+                ghost = found[new]
                 new += 1
-                ghost = ghosts.take(block.key)
                 if ghost >= 0:  # back after it was dropped
                     used_at, uses = ghost >> GHOST_SHIFT, ghost & GHOST_USES
                     self._count(min(uses, CLASSES), now - used_at, reused=True)
@@ -218,6 +222,8 @@ class HazardPolicy(EvictionPolicy):
             return
         now, ghosts, started, width = self.now, self.ghosts, self.started, self.width
         last_bin = self.bins - 1
+        keys: list[bytes] = []  # (put in one call: their lookups' cache misses overlap)
+        values: list[int] = []
         for block in blocks:
             if not block.in_tree:  # a candidate from now on, as a ghost
                 uses, used_at = block.uses, block.used_at
@@ -227,7 +233,9 @@ class HazardPolicy(EvictionPolicy):
                         age_bin if age_bin < last_bin else last_bin
                     ] += 1.0
                 block.candidate = False  # (the ghost carries it)
-                ghosts.put(block.key, used_at << GHOST_SHIFT | min(uses, GHOST_USES))
+                keys.append(block.key)
+                values.append(used_at << GHOST_SHIFT | min(uses, GHOST_USES))
+        ghosts.put_many(keys, values)
         excess = len(ghosts) - self.ghost_limit
         if excess > 0:  # forget the oldest: censored
             ended = self.ended
