@@ -147,7 +147,7 @@ class Commits:
     def _attach_pages(
         self, request: RequestState, first: int, blocks: list[Block], priorities: Priorities | None
     ) -> None:
-        """Make our pages of blocks `first`, `first + 1`, ... the tree blocks' pages (with their
+        """Make the request's pages of blocks `first`, `first + 1`, ... the tree blocks' pages (with their
         `priorities`, if given); where a block already has one, share it instead (one copy of
         the KV, not two)."""
         owners = self._ctx.owners
@@ -178,7 +178,7 @@ class Commits:
 
     def _share(self, request: RequestState, g: int, index: int, page: Page, existing: Page) -> None:
         """Block `index` is already in the tree with page `existing`: use the tree's page if it
-        is on the GPU, else (colder and unused) put ours in its place."""
+        is on the GPU, else (colder and unused) put the request's in its place."""
         owners, tree = self._ctx.owners, self._ctx.tree
         if existing.level == GPU_LEVEL:
             owners.lock(existing)  # commits happen only while ACTIVE

@@ -87,7 +87,7 @@ class Growth:
                 wanted = [i for i in range(old_blocks, new_blocks) if not beg <= i < end]
                 if wanted:
                     grants[g] = wanted
-        # Pages owned only by this request: an uncommitted one gives its slot straight to a new
+        # Pages owned only by the request: an uncommitted one gives its slot straight to a new
         # block of its layer group; a committed one becomes evictable, so it frees a slot too.
         recycle: dict[int, list[int]] = {}  # layer group -> blocks whose page moves to a new block
         freed_committed: dict[int, list[Page]] = {}  # per pool group
@@ -105,7 +105,7 @@ class Growth:
         for g, wanted in grants.items():
             fresh[layout.pool_group_of[g]] += len(wanted) - len(recycle.get(g, ()))
         # Make room before releasing anything, so that a refusal (or an I/O error) changes
-        # nothing: by the usual eviction if it can, else by dropping our own released cached
+        # nothing: by the usual eviction if it can, else by dropping its own released cached
         # pages afterwards (which needs no I/O).
         drop_own = False
         if not allocation.reserve(GPU_LEVEL, fresh):
@@ -119,7 +119,7 @@ class Growth:
             if index in recycle.get(g, ()):
                 page = request._pages[g][index]
                 assert page is not None
-                recycled.setdefault(g, []).append(page)  # keeps its slot and our lock
+                recycled.setdefault(g, []).append(page)  # keeps its slot and the lock
                 request._table.clear(g, index)
             else:
                 unlocking.append(request._table.clear(g, index))
