@@ -169,9 +169,8 @@ class ManagerCore:
 
     def _drop(self, pages: Sequence[Page]) -> Sequence[Page]:
         """The tree's `remove_pages`, telling the eviction policy (last level) and the remote
-        tier: the committed full blocks' pages the local levels drop (from the last level, or
-        any level a shrink drops them from), and the pages of the blocks that lose their reuse
-        with them, are written to the remote tier before their slots are freed."""
+        tier: the dropped pages of committed full blocks (any level), and of the blocks that
+        lose their reuse with them, are written to the remote tier before their slots go."""
         policy, last = self._policy, self._storage.state.last_level
         if policy is None or not pages or pages[0].level != last:
             return self._remove_pages(pages)
