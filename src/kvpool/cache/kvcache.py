@@ -29,8 +29,8 @@ from kvpool.validation import check_index
 
 
 class CacheParts:
-    """What every request's cache of one manager calls: one object per concern, stateless
-    between calls (a request's state is its own), each given only what it needs."""
+    """What every request's cache of one manager calls: one object per concern, each holding
+    the manager's `CacheContext` and nothing of a request between calls (its state is its own)."""
 
     def __init__(self, context: CacheContext) -> None:
         self.commits = Commits(context)
