@@ -67,7 +67,7 @@ class Allocation:
         allocator = self._state.allocators[level][pool_group]
         if allocator.num_free_slots < count:
             self.make_room(level, pool_group, count)
-        spare, owners = self._state.spare_pages, self._state.pages[level][pool_group]
+        spare, registry = self._state.spare_pages, self._state.pages[level][pool_group]
         pages = []
         for slot in allocator.allocate_multiple(count):
             if slot.ready_event is not None:  # a copy from it may still run: let it finish
@@ -79,7 +79,7 @@ class Allocation:
                 page.reset(slot, level, pool_group, layer_group, locks)
             else:
                 page = Page(slot, level, pool_group, layer_group, locks)
-            owners[slot.slot_id] = page
+            registry[slot.slot_id] = page
             pages.append(page)
         return pages
 
