@@ -1,7 +1,7 @@
 """kvpool.ghosts: the C ghost table of the native backend against its reference (ghosts.py),
 both against a plain model: random puts, takes and forgets, one by one and in batches (growth,
-compaction, holes, keys of any length, colliding prefixes, a key twice in a batch); the same values, the same order; bad arguments refused alike,
-changing nothing."""
+compaction, holes, keys alike but in one word, a key twice in a batch, tables made with room up
+front); the same values, the same order; bad arguments refused alike, changing nothing."""
 
 from __future__ import annotations
 
@@ -25,16 +25,21 @@ def test_the_native_backend_runs_the_c_module():
 
 def random_key(rng: random.Random, pool: int) -> bytes:
     n = rng.randrange(pool)
-    if n % 7 == 0:  # (some short keys, and keys sharing their first bytes)
-        return n.to_bytes(3, "big")
+    if n % 7 == 0:  # (some keys alike but in their first word)
+        return n.to_bytes(8, "little") + b"\x02" * 24
     return b"\x01" * 24 + n.to_bytes(8, "big")
+
+
+def named(text: str) -> bytes:
+    return text.encode().ljust(32, b".")
 
 
 @pytest.mark.parametrize("module", IMPLEMENTATIONS)
 @pytest.mark.parametrize("seed", range(6))
 def test_matches_an_ordered_dict_under_random_operations(module, seed):
     rng = random.Random(seed)
-    table, model = module.GhostTable(), OrderedDict()
+    expected = rng.choice([0, 0, 10, 3000])  # (room made up front, or grown into)
+    table, model = module.GhostTable(expected), OrderedDict()
     pool = rng.choice([20, 300, 5000])
     for step in range(6000):
         op = rng.randrange(12)
@@ -67,8 +72,8 @@ def test_matches_an_ordered_dict_under_random_operations(module, seed):
             assert all(table.get(key) == value for key, value in model.items())
     assert table.items() == list(model.items())
     assert table.forget(2**70) == list(model.values()) and len(table) == 0  # (any count)
-    table.put(b"again", 5)
-    assert table.items() == [(b"again", 5)]
+    table.put(named("again"), 5)
+    assert table.items() == [(named("again"), 5)]
 
 
 @pytest.mark.parametrize("module", IMPLEMENTATIONS)
@@ -90,30 +95,67 @@ def test_many_entries_then_all_forgotten_in_order(module):
     ("call", "error", "match"),
     [
         (lambda t: t.put("key", 1), TypeError, "key must be bytes, not str"),
-        (lambda t: t.put(bytearray(b"k"), 1), TypeError, "key must be bytes, not bytearray"),
-        (lambda t: t.put(b"k", -1), ValueError, r"value must be an int in \[0, 2\^?"),
-        (lambda t: t.put(b"k", 2**63), ValueError, "value must be an int"),
-        (lambda t: t.put(b"k", True), ValueError, "value must be an int"),
-        (lambda t: t.put(b"k", 1.0), ValueError, "value must be an int"),
+        (lambda t: t.put(bytearray(named("k")), 1), TypeError, "key must be bytes, not bytearray"),
+        (lambda t: t.put(b"k", 1), ValueError, "key must be 32 bytes, got 1"),
+        (lambda t: t.put(named("k") + b"!", 1), ValueError, "key must be 32 bytes, got 33"),
+        (lambda t: t.put(named("k"), -1), ValueError, r"value must be an int in \[0, 2\^?"),
+        (lambda t: t.put(named("k"), 2**63), ValueError, "value must be an int"),
+        (lambda t: t.put(named("k"), True), ValueError, "value must be an int"),
+        (lambda t: t.put(named("k"), 1.0), ValueError, "value must be an int"),
         (lambda t: t.take(7), TypeError, "key must be bytes, not int"),
+        (lambda t: t.take(b""), ValueError, "key must be 32 bytes, got 0"),
         (lambda t: t.get(None), TypeError, "key must be bytes, not NoneType"),
+        (lambda t: t.get(b"a" * 31), ValueError, "key must be 32 bytes, got 31"),
         (lambda t: t.forget(-1), ValueError, "count must be an int >= 0, got -1"),
         (lambda t: t.forget(-(2**70)), ValueError, "count must be an int >= 0"),
         (lambda t: t.forget(1.5), ValueError, "count must be an int >= 0"),
         # A batch is checked whole before anything is put or taken.
-        (lambda t: t.put_many([b"a", b"c", "d"], [5, 6, 7]), TypeError, "key must be bytes"),
-        (lambda t: t.put_many([b"a", b"c"], [5, -6]), ValueError, "value must be an int"),
-        (lambda t: t.put_many([b"a", b"c"], [5]), ValueError, "2 keys, 1 values"),
-        (lambda t: t.put_many((b"a",), [5]), TypeError, "keys must be a list, not tuple"),
-        (lambda t: t.put_many([b"a"], (5,)), TypeError, "values must be a list, not tuple"),
-        (lambda t: t.take_many([b"a", 3]), TypeError, "key must be bytes, not int"),
+        (lambda t: t.put_many([named("a"), named("c"), "d"], [5, 6, 7]), TypeError, "key must be"),
+        (lambda t: t.put_many([named("a"), b"c"], [5, 6]), ValueError, "key must be 32 bytes"),
+        (lambda t: t.put_many([named("a"), named("c")], [5, -6]), ValueError, "value must be an"),
+        (lambda t: t.put_many([named("a"), named("c")], [5]), ValueError, "2 keys, 1 values"),
+        (lambda t: t.put_many((named("a"),), [5]), TypeError, "keys must be a list, not tuple"),
+        (lambda t: t.put_many([named("a")], (5,)), TypeError, "values must be a list, not tuple"),
+        (lambda t: t.take_many([named("a"), 3]), TypeError, "key must be bytes, not int"),
+        (lambda t: t.take_many([named("a"), b"a"]), ValueError, "key must be 32 bytes, got 1"),
         (lambda t: t.take_many(b"ab"), TypeError, "keys must be a list, not bytes"),
     ],
 )
 def test_bad_arguments_are_refused_and_change_nothing(module, call, error, match):
     table = module.GhostTable()
-    table.put(b"a", 1)
-    table.put(b"b", 2)
+    table.put(named("a"), 1)
+    table.put(named("b"), 2)
     with pytest.raises(error, match=match.replace(r"2\^?", "")):
         call(table)
-    assert table.items() == [(b"a", 1), (b"b", 2)]
+    assert table.items() == [(named("a"), 1), (named("b"), 2)]
+    assert table.take(named("a")) == 1  # (and the index still finds what is there)
+
+
+@pytest.mark.parametrize("module", IMPLEMENTATIONS)
+@pytest.mark.parametrize("expected", [-1, 2**30 + 1, 2**70, 1.5, "8", True])
+def test_a_bad_size_hint_is_refused(module, expected):
+    with pytest.raises(ValueError, match=r"expected must be an int in \[0, 1073741824\]"):
+        module.GhostTable(expected)
+
+
+@pytest.mark.parametrize("module", IMPLEMENTATIONS)
+def test_a_table_made_with_room_behaves_as_one_grown(module):
+    """Room made up front changes nothing a call returns, only when the arrays are made."""
+    grown, ready = module.GhostTable(), module.GhostTable(expected=5000)
+    keys = [i.to_bytes(32, "big") for i in range(12_000)]
+    for table in (grown, ready):
+        table.put_many(keys[:7000], list(range(7000)))
+        assert table.take_many(keys[::2]) == [i if i < 7000 else -1 for i in range(0, 12_000, 2)]
+        table.put_many(keys[7000:], list(range(7000, 12_000)))
+        assert table.forget(100) == list(range(1, 201, 2))
+    assert grown.items() == ready.items() and len(grown) == len(ready) == 8400
+
+
+def test_both_forms_export_the_same_limits():
+    for module in IMPLEMENTATIONS:
+        table_module = module.values[0]
+        assert (table_module.MAX_VALUE, table_module.KEY_BYTES, table_module.MAX_EXPECTED) == (
+            REFERENCE.MAX_VALUE,
+            REFERENCE.KEY_BYTES,
+            REFERENCE.MAX_EXPECTED,
+        )

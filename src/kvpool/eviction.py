@@ -18,7 +18,7 @@ from itertools import islice
 from kvpool.errors import CorruptedError, OutOfPagesError
 from kvpool.page_list import PageList
 from kvpool.policies import EvictionPolicy
-from kvpool.records import DEFAULT_PRIORITY, Page
+from kvpool.records import DEFAULT_PRIORITY, Block, Page
 
 
 class EvictionQueue:
@@ -150,6 +150,19 @@ def _is_leaf(page: Page, going: Set[Page]) -> bool:
     if isinstance(kids, dict):
         return all(kid.pages[group] is None or kid.pages[group] in going for kid in kids.values())
     return kids.pages[group] is None or kids.pages[group] in going
+
+
+def _next_is(page: Page, parent: Block) -> bool:
+    """Whether the page after `page` in its list is `parent`'s page of its layer group, not set
+    aside: then that page is where the parent's is (a request's pages are queued deepest
+    first), and reading the parent's pages (a cache miss) can wait for that page's turn."""
+    after = page.after
+    return (
+        after is not None
+        and after.block is parent
+        and after.layer_group == page.layer_group
+        and not after.aside
+    )
 
 
 class ClassedQueue(EvictionQueue):
@@ -287,7 +300,7 @@ class ClassedQueue(EvictionQueue):
         a leaf now), else None."""
         block = page.block
         parent = block.parent if block is not None else None
-        if parent is not None:
+        if parent is not None and not _next_is(page, parent):
             above = parent.pages[page.layer_group]
             if above is not None and above.aside:
                 del self._interior[above]
@@ -403,24 +416,34 @@ class ClassedQueue(EvictionQueue):
         may be a leaf now). Returns the list's next page and that parent (or None)."""
         interior = self._interior
         room = count - len(pages)
+        below = pages[-1].block  # the block of the page picked last
         while page is not None and room:
             block = page.block
             assert block is not None  # (queued: committed)
             if block.used_at != used_at:
                 break
             kids = block.kids
-            if kids is not None:
+            group = page.layer_group
+            # (An only child that is the block just picked, in this page's layer group: its
+            # page is that one, going. The usual case: a request's pages are queued deepest
+            # first. Saves reading the child's pages.)
+            if kids is not None and (kids is not below or pages[-1].layer_group != group):
                 if isinstance(kids, dict):
                     if not _is_leaf(page, going):
                         break
-                elif (kid := kids.pages[page.layer_group]) is not None and kid not in going:
+                elif (kid := kids.pages[group]) is not None and kid not in going:
                     break
             pages.append(page)
             going.add(page)
+            below = block
             room -= 1
             if interior:  # (else no parent waits aside)
                 parent = block.parent
-                above = parent.pages[page.layer_group] if parent is not None else None
+                above = (
+                    parent.pages[group]
+                    if parent is not None and not _next_is(page, parent)
+                    else None
+                )
                 if above is not None and above.aside:
                     del interior[above]
                     above.aside = False

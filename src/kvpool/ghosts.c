@@ -1,22 +1,28 @@
 /* kvpool.ghosts, native: the hazard policy's ghost table (ghosts.py beside it is the reference).
 
-Keys (bytes) -> values (C int64) in insertion order, as the reference's OrderedDict keeps them.
-The entries sit in a ring of arrays in the order they came (a removed one leaves a hole that
-the oldest end skips when it gets there), and an open-addressing index maps a key to its entry:
-linear probing from the top bits of the key's own cached hash, at most half full, each slot
-holding the entry's place and those 31 bits (a probe past another key reads nothing else), and
-no tombstones (a removal shifts the keys probed past it back: Knuth's algorithm R). So in a
-steady state (as many puts as removals) nothing is ever rebuilt: the ring only grows, twice as
-large, when it is full and more than half of it is live, and is compacted in place of growing
-when it is full of holes. The hash only places keys in the index: what a call returns, and the
-order, never depend on it. */
+Keys (32-byte bytes: block keys) -> values (C int64) in insertion order, as the reference's
+OrderedDict keeps them. The entries sit in a ring of arrays in the order they came, each key
+copied in (no Python object is kept: a dropped block's key is freed with the block, so the
+table's memory is its arrays alone); a removed one leaves a hole (value -1) that the oldest end
+skips when it gets there. An open-addressing index maps a key to its entry: linear probing from
+the top bits of a hash of the key's own bytes (no process's hash seed: the same table in every
+run), at most half full, each slot holding the entry's place and those 31 bits (a probe past
+another key reads nothing else), and no tombstones (a removal shifts the keys probed past it
+back: Knuth's algorithm R). So in a steady state (as many puts as removals) nothing is ever
+rebuilt: the ring only grows, twice as large, when it is full and more than half of it is live,
+and is compacted in place of growing when it is full of holes; `GhostTable(expected)` makes room
+for `expected` entries up front. The hash only places keys in the index: what a call returns,
+and the order, never depend on it. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 #define EMPTY (-1)
+#define HOLE (-1)
 #define MIN_CAPACITY 8
+#define MAX_CAPACITY 0x80000000UL /* (an index slot holds 32 bits of a place) */
+#define KEY_BYTES 32
 #define LOW32 ((int64_t)0xffffffff)
 /* How many keys ahead the batch calls ask for their index slots: in a table of a million
    entries nearly every probe misses the caches, and a batch's misses then overlap. */
@@ -24,10 +30,9 @@ order, never depend on it. */
 
 typedef struct {
     PyObject_HEAD
-    PyObject **keys; /* a ring in insertion order; NULL: a hole */
-    Py_hash_t *hashes;
-    int64_t *values;
-    size_t ring; /* capacity - 1 (a power of two, < 2**32) */
+    unsigned char *keys; /* a ring in insertion order, KEY_BYTES a place */
+    int64_t *values;     /* HOLE: the place's entry was removed */
+    size_t ring;         /* capacity - 1 (a power of two, <= MAX_CAPACITY) */
     size_t head; /* the oldest entry's place (from there on, `span` places, holes included) */
     size_t span;
     Py_ssize_t live;
@@ -35,39 +40,55 @@ typedef struct {
     size_t mask;
 } GhostTable;
 
-/* The hash's top 31 bits: where the key's probe starts, and what its index slot keeps. */
-static inline uint64_t tag_of(Py_hash_t h) { return (uint64_t)h >> 33; }
+/* A hash of a key's bytes (a block key is already uniform: this only mixes its four words,
+   so that keys alike in some words still spread). */
+static inline uint64_t hash_of(const unsigned char *key) {
+    uint64_t w[4];
+    memcpy(w, key, KEY_BYTES);
+    uint64_t h = w[0];
+    for (int k = 1; k < 4; k++) {
+        h = (h ^ (h >> 31) ^ w[k]) * 0x9E3779B97F4A7C15ULL;
+    }
+    return h ^ (h >> 29);
+}
 
-static inline int64_t slot_of(size_t e, Py_hash_t h) {
+/* The hash's top 31 bits: where the key's probe starts, and what its index slot keeps. */
+static inline uint64_t tag_of(uint64_t h) { return h >> 33; }
+
+static inline int64_t slot_of(size_t e, uint64_t h) {
     return (int64_t)(tag_of(h) << 32 | (uint64_t)e);
 }
 
 static inline size_t place_of(int64_t slot) { return (size_t)(slot & LOW32); }
 
-static int check_key(PyObject *key) {
-    if (!PyBytes_CheckExact(key)) {
-        PyErr_Format(PyExc_TypeError, "key must be bytes, not %s", Py_TYPE(key)->tp_name);
-        return -1;
-    }
-    return 0;
+static inline unsigned char *key_at(GhostTable *t, size_t place) {
+    return t->keys + place * KEY_BYTES;
 }
 
-static int same_key(PyObject *a, PyObject *b) {
-    Py_ssize_t n = PyBytes_GET_SIZE(a);
-    return a == b || (n == PyBytes_GET_SIZE(b) &&
-                      memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)n) == 0);
+/* The bytes of a key argument, or NULL with TypeError / ValueError. */
+static const unsigned char *check_key(PyObject *key) {
+    if (!PyBytes_CheckExact(key)) {
+        PyErr_Format(PyExc_TypeError, "key must be bytes, not %s", Py_TYPE(key)->tp_name);
+        return NULL;
+    }
+    if (PyBytes_GET_SIZE(key) != KEY_BYTES) {
+        PyErr_Format(PyExc_ValueError, "key must be %d bytes, got %zd", KEY_BYTES,
+                     PyBytes_GET_SIZE(key));
+        return NULL;
+    }
+    return (const unsigned char *)PyBytes_AS_STRING(key);
 }
 
 /* The entry place of `key` (hash h), or -1; *where: its index slot. */
-static Py_ssize_t find(GhostTable *t, PyObject *key, Py_hash_t h, size_t *where) {
+static Py_ssize_t find(GhostTable *t, const unsigned char *key, uint64_t h, size_t *where) {
     int64_t tag = slot_of(0, h);
     for (size_t i = tag_of(h) & t->mask;; i = (i + 1) & t->mask) {
         int64_t slot = t->index[i];
         if (slot == EMPTY) {
             return -1;
         }
-        /* (The key itself settles it: reading the full hash first would be one more miss.) */
-        if ((slot & ~LOW32) == tag && same_key(t->keys[place_of(slot)], key)) {
+        if ((slot & ~LOW32) == tag &&
+            memcmp(key_at(t, place_of(slot)), key, KEY_BYTES) == 0) {
             *where = i;
             return (Py_ssize_t)place_of(slot);
         }
@@ -75,7 +96,7 @@ static Py_ssize_t find(GhostTable *t, PyObject *key, Py_hash_t h, size_t *where)
 }
 
 /* Index `place` (of a key with hash h, known to be absent). */
-static void index_add(int64_t *index, size_t mask, size_t place, Py_hash_t h) {
+static void index_add(int64_t *index, size_t mask, size_t place, uint64_t h) {
     size_t i = tag_of(h) & mask;
     while (index[i] != EMPTY) {
         i = (i + 1) & mask;
@@ -105,43 +126,36 @@ static void index_remove(GhostTable *t, size_t i) {
 /* Move the live entries, in order, to the start of a ring of `capacity` places (a power of
    two, > live) and index them afresh; on failure (no memory) the table is as it was. */
 static int rebuild(GhostTable *t, size_t capacity) {
-    if (capacity > 0x80000000UL) { /* (an index slot holds 32 bits of a place) */
+    if (capacity > MAX_CAPACITY) {
         PyErr_NoMemory();
         return -1;
     }
     size_t slots = 2 * capacity;
-    PyObject **keys = PyMem_Malloc(sizeof(PyObject *) * capacity);
-    Py_hash_t *hashes = PyMem_Malloc(sizeof(Py_hash_t) * capacity);
+    unsigned char *keys = PyMem_Malloc(KEY_BYTES * capacity);
     int64_t *values = PyMem_Malloc(sizeof(int64_t) * capacity);
     int64_t *index = PyMem_Malloc(sizeof(int64_t) * slots);
-    if (keys == NULL || hashes == NULL || values == NULL || index == NULL) {
+    if (keys == NULL || values == NULL || index == NULL) {
         PyMem_Free(keys);
-        PyMem_Free(hashes);
         PyMem_Free(values);
         PyMem_Free(index);
         PyErr_NoMemory();
         return -1;
     }
-    for (size_t i = 0; i < slots; i++) {
-        index[i] = EMPTY;
-    }
+    memset(index, 0xff, sizeof(int64_t) * slots); /* (EMPTY: every bit set) */
     size_t n = 0;
     for (size_t k = 0; k < t->span; k++) {
         size_t e = (t->head + k) & t->ring;
-        if (t->keys[e] != NULL) {
-            keys[n] = t->keys[e];
-            hashes[n] = t->hashes[e];
+        if (t->values[e] != HOLE) {
+            memcpy(keys + n * KEY_BYTES, key_at(t, e), KEY_BYTES);
             values[n] = t->values[e];
-            index_add(index, slots - 1, n, hashes[n]);
+            index_add(index, slots - 1, n, hash_of(key_at(t, e)));
             n++;
         }
     }
     PyMem_Free(t->keys);
-    PyMem_Free(t->hashes);
     PyMem_Free(t->values);
     PyMem_Free(t->index);
     t->keys = keys;
-    t->hashes = hashes;
     t->values = values;
     t->index = index;
     t->mask = slots - 1;
@@ -155,24 +169,49 @@ static int rebuild(GhostTable *t, size_t capacity) {
    end moves past the holes it reaches. */
 static void remove_entry(GhostTable *t, size_t place, size_t i) {
     index_remove(t, i);
-    Py_CLEAR(t->keys[place]);
+    t->values[place] = HOLE;
     t->live--;
-    while (t->span && t->keys[t->head] == NULL) {
+    while (t->span && t->values[t->head] == HOLE) {
         t->head = (t->head + 1) & t->ring;
         t->span--;
     }
 }
 
 static PyObject *ghosts_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    if (PyTuple_GET_SIZE(args) || (kwargs != NULL && PyDict_GET_SIZE(kwargs))) {
-        PyErr_SetString(PyExc_TypeError, "GhostTable() takes no arguments");
+    static char *names[] = {"expected", NULL};
+    PyObject *expected = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|O:GhostTable", names, &expected)) {
         return NULL;
+    }
+    long long room = 0;
+    if (expected != NULL) {
+        int overflow = 0;
+        room = PyLong_CheckExact(expected) ? PyLong_AsLongLongAndOverflow(expected, &overflow)
+                                           : -1;
+        if (room == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        if (overflow || room < 0 || (unsigned long long)room > MAX_CAPACITY / 2) {
+            PyObject *repr = PyObject_Repr(expected);
+            if (repr != NULL) {
+                PyErr_Format(PyExc_ValueError, "expected must be an int in [0, %lu], got %U",
+                             MAX_CAPACITY / 2, repr);
+                Py_DECREF(repr);
+            }
+            return NULL;
+        }
+    }
+    /* Twice `expected`: the size a ring holding that many live entries grows to (it grows
+       when it is full and more than half of it is live; holes fill it). */
+    size_t capacity = MIN_CAPACITY;
+    while (capacity < 2 * (size_t)room) {
+        capacity *= 2;
     }
     GhostTable *t = (GhostTable *)type->tp_alloc(type, 0);
     if (t == NULL) {
         return NULL;
     }
-    if (rebuild(t, MIN_CAPACITY) < 0) {
+    if (rebuild(t, capacity) < 0) {
         Py_DECREF(t);
         return NULL;
     }
@@ -180,11 +219,7 @@ static PyObject *ghosts_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
 }
 
 static void ghosts_dealloc(GhostTable *t) {
-    for (size_t k = 0; t->keys != NULL && k < t->span; k++) {
-        Py_XDECREF(t->keys[(t->head + k) & t->ring]);
-    }
     PyMem_Free(t->keys);
-    PyMem_Free(t->hashes);
     PyMem_Free(t->values);
     PyMem_Free(t->index);
     Py_TYPE(t)->tp_free((PyObject *)t);
@@ -193,12 +228,12 @@ static void ghosts_dealloc(GhostTable *t) {
 static Py_ssize_t ghosts_len(GhostTable *t) { return t->live; }
 
 /* Ask for the index slot where the probe for hash h starts (a hint: changes nothing). */
-static inline void prefetch_slot(GhostTable *t, Py_hash_t h) {
+static inline void prefetch_slot(GhostTable *t, uint64_t h) {
     __builtin_prefetch(&t->index[tag_of(h) & t->mask]);
 }
 
 /* `key`'s value (hash h), or -1; removed with `take`. */
-static int64_t lookup_one(GhostTable *t, PyObject *key, Py_hash_t h, int take) {
+static int64_t lookup_one(GhostTable *t, const unsigned char *key, uint64_t h, int take) {
     size_t i;
     Py_ssize_t e = find(t, key, h, &i);
     if (e < 0) {
@@ -212,14 +247,11 @@ static int64_t lookup_one(GhostTable *t, PyObject *key, Py_hash_t h, int take) {
 }
 
 static PyObject *lookup(GhostTable *t, PyObject *key, int take) {
-    if (check_key(key) < 0) {
+    const unsigned char *bytes = check_key(key);
+    if (bytes == NULL) {
         return NULL;
     }
-    Py_hash_t h = PyObject_Hash(key);
-    if (h == -1) {
-        return NULL;
-    }
-    return PyLong_FromLongLong(lookup_one(t, key, h, take));
+    return PyLong_FromLongLong(lookup_one(t, bytes, hash_of(bytes), take));
 }
 
 static PyObject *ghosts_get(GhostTable *t, PyObject *key) { return lookup(t, key, 0); }
@@ -228,7 +260,7 @@ static PyObject *ghosts_take(GhostTable *t, PyObject *key) { return lookup(t, ke
 
 /* Set `key`'s value (hash h, value checked); -1 with an exception when the table cannot
    grow (nothing changed). */
-static int put_one(GhostTable *t, PyObject *key, Py_hash_t h, int64_t value) {
+static int put_one(GhostTable *t, const unsigned char *key, uint64_t h, int64_t value) {
     size_t i;
     Py_ssize_t e = find(t, key, h, &i);
     if (e >= 0) { /* (its place stays) */
@@ -241,9 +273,7 @@ static int put_one(GhostTable *t, PyObject *key, Py_hash_t h, int64_t value) {
         return -1;
     }
     size_t place = (t->head + t->span++) & t->ring;
-    Py_INCREF(key);
-    t->keys[place] = key;
-    t->hashes[place] = h;
+    memcpy(key_at(t, place), key, KEY_BYTES);
     t->values[place] = value;
     index_add(t->index, t->mask, place, h);
     t->live++;
@@ -270,31 +300,36 @@ static int64_t check_value(PyObject *arg) {
 }
 
 /* The hashes of a list of keys, all checked first (NULL with an exception: nothing done). */
-static Py_hash_t *hashes_of(PyObject *keys) {
+static uint64_t *hashes_of(PyObject *keys) {
     if (!PyList_CheckExact(keys)) {
         PyErr_Format(PyExc_TypeError, "keys must be a list, not %s", Py_TYPE(keys)->tp_name);
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    Py_hash_t *hashes = PyMem_Malloc(sizeof(Py_hash_t) * (size_t)(n ? n : 1));
+    uint64_t *hashes = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
     if (hashes == NULL) {
         PyErr_NoMemory();
         return NULL;
     }
     for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *key = PyList_GET_ITEM(keys, k);
-        if (check_key(key) < 0 || (hashes[k] = PyObject_Hash(key)) == -1) {
+        const unsigned char *key = check_key(PyList_GET_ITEM(keys, k));
+        if (key == NULL) {
             PyMem_Free(hashes);
             return NULL;
         }
+        hashes[k] = hash_of(key);
     }
     return hashes;
+}
+
+static inline const unsigned char *bytes_at(PyObject *keys, Py_ssize_t k) {
+    return (const unsigned char *)PyBytes_AS_STRING(PyList_GET_ITEM(keys, k));
 }
 
 /* take() of each key, in order; the index slots are asked for ahead. Only a MemoryError while
    making the result's ints (after the takes) leaves keys taken with their values lost. */
 static PyObject *ghosts_take_many(GhostTable *t, PyObject *keys) {
-    Py_hash_t *hashes = hashes_of(keys);
+    uint64_t *hashes = hashes_of(keys);
     if (hashes == NULL) {
         return NULL;
     }
@@ -312,7 +347,7 @@ static PyObject *ghosts_take_many(GhostTable *t, PyObject *keys) {
         if (k + PREFETCH_AHEAD < n) {
             prefetch_slot(t, hashes[k + PREFETCH_AHEAD]);
         }
-        taken[k] = lookup_one(t, PyList_GET_ITEM(keys, k), hashes[k], 1);
+        taken[k] = lookup_one(t, bytes_at(keys, k), hashes[k], 1);
     }
     for (Py_ssize_t k = 0; k < n; k++) {
         PyObject *item = PyLong_FromLongLong(taken[k]);
@@ -345,7 +380,7 @@ static PyObject *ghosts_put_many(GhostTable *t, PyObject *const *args, Py_ssize_
                      PyList_GET_SIZE(keys), PyList_GET_SIZE(values));
         return NULL;
     }
-    Py_hash_t *hashes = hashes_of(keys);
+    uint64_t *hashes = hashes_of(keys);
     if (hashes == NULL) {
         return NULL;
     }
@@ -370,7 +405,7 @@ static PyObject *ghosts_put_many(GhostTable *t, PyObject *const *args, Py_ssize_
         if (k + PREFETCH_AHEAD < n) {
             prefetch_slot(t, hashes[k + PREFETCH_AHEAD]);
         }
-        failed = put_one(t, PyList_GET_ITEM(keys, k), hashes[k], checked[k]) < 0;
+        failed = put_one(t, bytes_at(keys, k), hashes[k], checked[k]) < 0;
     }
     PyMem_Free(checked);
     PyMem_Free(hashes);
@@ -385,16 +420,12 @@ static PyObject *ghosts_put(GhostTable *t, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_TypeError, "put(key, value) takes 2 arguments");
         return NULL;
     }
-    PyObject *key = args[0];
-    if (check_key(key) < 0) {
+    const unsigned char *key = check_key(args[0]);
+    if (key == NULL) {
         return NULL;
     }
     int64_t value = check_value(args[1]);
-    if (value < 0) {
-        return NULL;
-    }
-    Py_hash_t h = PyObject_Hash(key);
-    if (h == -1 || put_one(t, key, h, value) < 0) {
+    if (value < 0 || put_one(t, key, hash_of(key), value) < 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -433,8 +464,9 @@ static PyObject *ghosts_forget(GhostTable *t, PyObject *arg) {
             return done;
         }
         PyList_SET_ITEM(values, n, value);
-        size_t i = tag_of(t->hashes[e]) & t->mask;
-        while (t->index[i] != slot_of(e, t->hashes[e])) {
+        uint64_t h = hash_of(key_at(t, e));
+        size_t i = tag_of(h) & t->mask;
+        while (t->index[i] != slot_of(e, h)) {
             i = (i + 1) & t->mask;
         }
         remove_entry(t, e, i);
@@ -449,10 +481,11 @@ static PyObject *ghosts_items(GhostTable *t, PyObject *Py_UNUSED(ignored)) {
     }
     for (size_t k = 0; k < t->span; k++) {
         size_t e = (t->head + k) & t->ring;
-        if (t->keys[e] == NULL) {
+        if (t->values[e] == HOLE) {
             continue;
         }
-        PyObject *item = Py_BuildValue("(OL)", t->keys[e], (long long)t->values[e]);
+        PyObject *item = Py_BuildValue("(y#L)", (const char *)key_at(t, e),
+                                       (Py_ssize_t)KEY_BYTES, (long long)t->values[e]);
         if (item == NULL || PyList_Append(items, item) < 0) {
             Py_XDECREF(item);
             Py_DECREF(items);
@@ -482,7 +515,8 @@ static PyTypeObject GhostTableType = {
     .tp_dealloc = (destructor)ghosts_dealloc,
     .tp_as_sequence = &ghosts_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Keys (bytes) -> values (ints in [0, 2**63)), in insertion order.",
+    .tp_doc = "Keys (32-byte bytes) -> values (ints in [0, 2**63)), in insertion order; room for\n"
+               "`expected` entries is made up front.",
     .tp_methods = ghosts_methods,
     .tp_new = ghosts_new,
 };
@@ -497,9 +531,9 @@ PyMODINIT_FUNC PyInit_ghosts(void) {
     if (m == NULL) {
         return NULL;
     }
-    PyObject *max_value = PyLong_FromLongLong(INT64_MAX);
-    if (max_value == NULL || PyModule_AddObject(m, "MAX_VALUE", max_value) < 0) {
-        Py_XDECREF(max_value);
+    if (PyModule_AddIntConstant(m, "MAX_VALUE", INT64_MAX) < 0 ||
+        PyModule_AddIntConstant(m, "KEY_BYTES", KEY_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_EXPECTED", MAX_CAPACITY / 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

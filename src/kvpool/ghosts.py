@@ -1,12 +1,13 @@
 """The hazard policy's ghost table: what it remembers of blocks it dropped, oldest first.
 
-One entry per dropped block: its key -> an int the policy packs (last use and uses). The policy
+One entry per dropped block: its key (32 bytes) -> an int the policy packs (last use and uses). The policy
 adds an entry at every drop, looks up every new block (both in batches: `put_many`,
 `take_many`), and forgets the oldest entries once the table is full, so all three are O(1) a
 key. Order is insertion order; setting a key that is already
 there changes its value, not its place (as a dict does). This file is the reference; the native
-backend runs `ghosts.c` beside it (an insertion-ordered open-addressing table of C ints: no
-Python node and no int object per entry), selected like the core's compiled modules.
+backend runs `ghosts.c` beside it (an insertion-ordered open-addressing table holding copies of
+the keys and C ints: no Python object per entry, so a dropped block's key is freed with it),
+selected like the core's compiled modules.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from __future__ import annotations
 from collections import OrderedDict
 
 MAX_VALUE = 2**63 - 1
+KEY_BYTES = 32  # (a block key: `kvpool.chain.KEY_BYTES`)
+MAX_EXPECTED = 2**30
 
 
 def _check_key(key: bytes) -> None:
     if type(key) is not bytes:
         raise TypeError(f"key must be bytes, not {type(key).__name__}")
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
 
 
 def _check_value(value: object) -> None:
@@ -27,9 +32,12 @@ def _check_value(value: object) -> None:
 
 
 class GhostTable:
-    """Keys (bytes) -> values (ints in [0, 2**63)), in insertion order."""
+    """Keys (32-byte bytes) -> values (ints in [0, 2**63)), in insertion order; room for
+    `expected` entries is made up front (the native form's arrays: no growing on the way)."""
 
-    def __init__(self) -> None:
+    def __init__(self, expected: int = 0) -> None:
+        if type(expected) is not int or not 0 <= expected <= MAX_EXPECTED:
+            raise ValueError(f"expected must be an int in [0, {MAX_EXPECTED}], got {expected!r}")
         # (An OrderedDict: a plain dict's first item costs O(deleted items) to find.)
         self._entries: OrderedDict[bytes, int] = OrderedDict()
 
