@@ -159,3 +159,19 @@ def test_both_forms_export_the_same_limits():
             REFERENCE.KEY_BYTES,
             REFERENCE.MAX_EXPECTED,
         )
+
+
+def test_the_native_table_keeps_no_key_object():
+    """A ghost's key is copied in: the table holds no reference to the bytes object (a dropped
+    block's key is freed with it), and what it returns is an equal key."""
+    import sys
+
+    if len(IMPLEMENTATIONS) < 2:
+        pytest.skip("python backend")
+    table = IMPLEMENTATIONS[1].values[0].GhostTable()
+    key = bytes(range(32))
+    before = sys.getrefcount(key)
+    table.put(key, 7)
+    table.put_many([key], [8])
+    assert sys.getrefcount(key) == before
+    assert table.items() == [(bytes(range(32)), 8)] and table.items()[0][0] is not key

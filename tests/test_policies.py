@@ -438,8 +438,12 @@ class AgePolicy(ScriptedPolicy):
         return score
 
 
-def random_queue(seed: int, by_age: bool) -> tuple[ClassedQueue, AgePolicy, list[Page]]:
-    """Chains of blocks (some forking) with few distinct last uses, released deepest first."""
+def random_queue(
+    seed: int, by_age: bool, groups: int = 1
+) -> tuple[ClassedQueue, AgePolicy, list[Page]]:
+    """Chains of blocks (some forking) with few distinct last uses, released deepest first,
+    one layer group after the other (`groups` of them in the one queue; the second holds pages
+    of a chain's last blocks only, as a sliding window's group does)."""
     import random
 
     rng = random.Random(seed)
@@ -449,11 +453,12 @@ def random_queue(seed: int, by_age: bool) -> tuple[ClassedQueue, AgePolicy, list
     released: list[Page] = []
     for _ in range(rng.randint(1, 12)):
         key += 1
-        parent = block(key, uses=rng.randint(1, 4), used_at=float(rng.randint(0, 3)))
+        parent = Block(key.to_bytes(32, "big"), None, b"", TPB, [None] * groups)
+        parent.uses, parent.used_at = rng.randint(1, 4), rng.randint(0, 3)
         chain = [parent]
         for _ in range(rng.randint(0, 8)):
             key += 1
-            child = Block(key.to_bytes(32, "big"), parent, b"", TPB, [None])
+            child = Block(key.to_bytes(32, "big"), parent, b"", TPB, [None] * groups)
             child.uses, child.used_at = rng.randint(1, 4), rng.randint(0, 3)
             if parent.kids is None:
                 parent.kids = child
@@ -464,6 +469,9 @@ def random_queue(seed: int, by_age: bool) -> tuple[ClassedQueue, AgePolicy, list
             chain.append(child)
             parent = chain[rng.randrange(len(chain))]  # (a fork now and then)
         pages = [page_of(owner) for owner in reversed(chain)]
+        for group in range(1, groups):
+            window = chain[rng.randrange(len(chain)) :]
+            pages += [page_in(owner, group) for owner in reversed(window)]
         rng.shuffle(pages) if rng.random() < 0.3 else None
         released += pages
     for start in range(0, len(released), 4):
@@ -471,11 +479,23 @@ def random_queue(seed: int, by_age: bool) -> tuple[ClassedQueue, AgePolicy, list
     return queue, policy, released
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_runs_of_pages_used_at_the_same_time_are_taken_as_if_one_by_one(seed):
-    runs, _, pages = random_queue(seed, by_age=True)
-    single, _, _ = random_queue(seed, by_age=False)
-    keys = lambda found: [int.from_bytes(p.block.key, "big") for p in found]  # noqa: E731
+def page_in(owner: Block, group: int) -> Page:
+    """A default-priority page of `owner` in layer group `group` (pool group 0)."""
+    page = Page(None, 0, 0, group)
+    page.block, owner.pages[group] = owner, page
+    return page
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("seed", range(100))
+def test_runs_of_pages_used_at_the_same_time_are_taken_as_if_one_by_one(seed, groups):
+    # (Two layer groups in one queue: a run's shortcuts, the child's page being the one just
+    # picked and the parent's the next one, hold only within one layer group.)
+    runs, _, pages = random_queue(seed, by_age=True, groups=groups)
+    single, _, _ = random_queue(seed, by_age=False, groups=groups)
+    keys = lambda found: [  # noqa: E731
+        (int.from_bytes(p.block.key, "big"), p.layer_group) for p in found
+    ]
     count = len(pages)
     for _ in range(3):  # peeking changes nothing that matters: the same pages each time
         assert keys(runs.oldest(count)) == keys(single.oldest(count))

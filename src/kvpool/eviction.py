@@ -300,7 +300,7 @@ class ClassedQueue(EvictionQueue):
         a leaf now), else None."""
         block = page.block
         parent = block.parent if block is not None else None
-        if parent is not None and not _next_is(page, parent):
+        if parent is not None:
             above = parent.pages[page.layer_group]
             if above is not None and above.aside:
                 del self._interior[above]
