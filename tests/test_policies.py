@@ -12,7 +12,7 @@ import pytest
 from kvpool import ConfigError, GpuCacheTierConfig, KVCacheManager
 from kvpool.errors import CorruptedError
 from kvpool.eviction import ClassedQueue, EvictionQueue
-from kvpool.policies import CLASSES, EvictionPolicy, HazardPolicy, LfuPolicy, use_class
+from kvpool.policies import CLASSES, EvictionPolicy, HazardPolicy, LfuPolicy, make_policy, use_class
 from kvpool.records import DEFAULT_PRIORITY, Block, Page
 from tests.engine_check import CheckingEngine
 from tests.helpers import MiB, make_config, record_layer, shutdown
@@ -638,3 +638,19 @@ def test_hazard_scores_match_the_hand_worked_definition():
     assert recent[0] == pytest.approx(1 - 1e-9 + 0.05 * d**2 * later, rel=1e-9)
     assert recent[1] == pytest.approx(math.sqrt((1 - 1e-9) * 1e-9 / 40), rel=1e-3)
     assert of(79) == (0.0, 0.0) and of(80) == (0.0, 0.0) and of(500) == (0.0, 0.0)
+
+
+def test_a_policy_for_a_huge_cache_takes_little_memory_until_it_drops_blocks():
+    """The ghost table is made with room for at most 2**20 ghosts, and its pages are taken from
+    the system only as they fill: a cache of 50 million blocks (big host and disk levels) costs
+    no memory up front (made at its full size, 400 million ghosts, the native table would ask
+    for 56 GiB: a MemoryError on a machine with less)."""
+
+    def rss_mib() -> float:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    before = rss_mib()
+    policy = make_policy("hazard", 50_000_000)
+    assert rss_mib() - before < 16
+    assert isinstance(policy, HazardPolicy) and policy.ghost_limit == 400_000_000

@@ -11,14 +11,15 @@ another key reads nothing else), and no tombstones (a removal shifts the keys pr
 back: Knuth's algorithm R). So in a steady state (as many puts as removals) nothing is ever
 rebuilt: the ring only grows, twice as large, when it is full and more than half of it is live,
 and is compacted in place of growing when it is full of holes; `GhostTable(expected)` makes room
-for `expected` entries up front. The hash only places keys in the index: what a call returns,
+for `expected` entries up front (the arrays' pages come from the system as they are first
+written: a zeroed index is empty). The hash only places keys in the index: what a call returns,
 and the order, never depend on it. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#define EMPTY (-1)
+#define EMPTY 0 /* (a zeroed index is empty: made with calloc, its pages come as they are used) */
 #define HOLE (-1)
 #define MIN_CAPACITY 8
 #define MAX_CAPACITY 0x80000000UL /* (an index slot holds 32 bits of a place) */
@@ -36,7 +37,7 @@ typedef struct {
     size_t head; /* the oldest entry's place (from there on, `span` places, holes included) */
     size_t span;
     Py_ssize_t live;
-    int64_t *index; /* mask + 1 slots: EMPTY, or slot_of(place, hash) */
+    int64_t *index; /* mask + 1 slots: EMPTY, or slot_of(place, hash) (never 0) */
     size_t mask;
 } GhostTable;
 
@@ -55,11 +56,12 @@ static inline uint64_t hash_of(const unsigned char *key) {
 /* The hash's top 31 bits: where the key's probe starts, and what its index slot keeps. */
 static inline uint64_t tag_of(uint64_t h) { return h >> 33; }
 
+/* An index slot: the tag, and the place plus one (so that no slot is EMPTY). */
 static inline int64_t slot_of(size_t e, uint64_t h) {
-    return (int64_t)(tag_of(h) << 32 | (uint64_t)e);
+    return (int64_t)(tag_of(h) << 32 | (uint64_t)(e + 1));
 }
 
-static inline size_t place_of(int64_t slot) { return (size_t)(slot & LOW32); }
+static inline size_t place_of(int64_t slot) { return (size_t)(slot & LOW32) - 1; }
 
 static inline unsigned char *key_at(GhostTable *t, size_t place) {
     return t->keys + place * KEY_BYTES;
@@ -81,7 +83,7 @@ static const unsigned char *check_key(PyObject *key) {
 
 /* The entry place of `key` (hash h), or -1; *where: its index slot. */
 static Py_ssize_t find(GhostTable *t, const unsigned char *key, uint64_t h, size_t *where) {
-    int64_t tag = slot_of(0, h);
+    int64_t tag = (int64_t)(tag_of(h) << 32);
     for (size_t i = tag_of(h) & t->mask;; i = (i + 1) & t->mask) {
         int64_t slot = t->index[i];
         if (slot == EMPTY) {
@@ -133,7 +135,7 @@ static int rebuild(GhostTable *t, size_t capacity) {
     size_t slots = 2 * capacity;
     unsigned char *keys = PyMem_Malloc(KEY_BYTES * capacity);
     int64_t *values = PyMem_Malloc(sizeof(int64_t) * capacity);
-    int64_t *index = PyMem_Malloc(sizeof(int64_t) * slots);
+    int64_t *index = PyMem_Calloc(slots, sizeof(int64_t));
     if (keys == NULL || values == NULL || index == NULL) {
         PyMem_Free(keys);
         PyMem_Free(values);
@@ -141,7 +143,6 @@ static int rebuild(GhostTable *t, size_t capacity) {
         PyErr_NoMemory();
         return -1;
     }
-    memset(index, 0xff, sizeof(int64_t) * slots); /* (EMPTY: every bit set) */
     size_t n = 0;
     for (size_t k = 0; k < t->span; k++) {
         size_t e = (t->head + k) & t->ring;

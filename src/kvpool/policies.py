@@ -46,11 +46,11 @@ Policies:
   blocks. Until it has seen a capacity of inserted blocks it classes nothing (LRU). Cost: one
   ghost-table lookup per new block, a few attribute updates per block used, O(classes) per
   eviction, and a score table of 4 x 48 entries per class rebuilt every eighth of a capacity
-  of insertions; memory: the ghost table (`kvpool.ghosts`, native form) is made at its full
-  size, a ring of twice the ghosts' number of 40-byte places (a copy of the key, the int) and
-  an index of four times as many 8-byte slots: 112 bytes a ghost, so about 0.9 KB of host
-  memory per block of capacity, allocated with the manager (the reference's OrderedDict
-  grows; benchmarks/soak_rss.py: the resident set flat once the table of a 131,072-block
+  of insertions; memory: the ghost table (`kvpool.ghosts`, native form) is a ring of twice the
+  ghosts' number of 40-byte places (a copy of the key, the int) and an index of four times as
+  many 8-byte slots: 112 bytes a ghost, so about 0.9 KB of host memory per block of capacity
+  once full; it is made with room for up to 2**20 ghosts, its pages taken from the system as
+  they fill (benchmarks/soak_rss.py: the resident set flat once the table of a 131,072-block
   capacity is full).
 - `lfu`: the same use counts, strictly: the lowest class first, LRU within a class (the
   runner-up: ahead of LRU at small caches, far behind at large ones).
@@ -68,7 +68,7 @@ from mypy_extensions import mypyc_attr
 
 from kvpool.config import EVICTION_POLICIES
 from kvpool.errors import ConfigError
-from kvpool.ghosts import MAX_EXPECTED, GhostTable
+from kvpool.ghosts import GhostTable
 from kvpool.records import Block, Page
 
 CLASSES: Final = 3  # use counts 1, 2 and 3 or more
@@ -77,6 +77,7 @@ CONFIDENCE: Final = 1.0  # standard errors a head's score must be below LRU's ch
 TIE_BREAK: Final = 0.05  # the weight of the discounted expected reuse in a hazard score
 GHOST_SHIFT: Final = 20  # a ghost is one int: its last use << GHOST_SHIFT | its uses (capped)
 GHOST_USES: Final = (1 << GHOST_SHIFT) - 1  # (only min(uses, CLASSES) decides anything)
+PRESIZED_GHOSTS: Final = 1 << 20  # the ghosts the table has room for when it is made
 
 
 def use_class(block: Block) -> int:
@@ -155,8 +156,9 @@ class HazardPolicy(EvictionPolicy):
         self.reuses = [[0.0] * bins for _ in range(CLASSES + 1)]
         # block key -> (last use, uses) packed in one int, oldest first (`kvpool.ghosts`; the
         # key itself, not its salted hash(), so no process's hash seed can matter), made at its
-        # full size (no growing in the engine's loop)
-        self.ghosts = GhostTable(min(self.ghost_limit, MAX_EXPECTED))
+        # full size up to PRESIZED_GHOSTS (no growing in the engine's loop; a larger one, for
+        # a cache with big host or disk levels, grows as it fills)
+        self.ghosts = GhostTable(min(self.ghost_limit, PRESIZED_GHOSTS))
         self.now = 0  # the clock: blocks requests used or committed so far
         self.first_insert: int | None = None
         self.inserts = 0  # new blocks so far
