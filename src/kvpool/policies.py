@@ -358,20 +358,28 @@ class HazardPolicy(EvictionPolicy):
                 log_survival = [0.0]
                 for hazard in hazards:
                     log_survival.append(log_survival[-1] + math.log1p(-hazard))
+                # (Each value below is computed once per distinct input: a bin's four quarters
+                # share its hazard, and mostly their horizon's last bin.)
+                chances = [1 - (1 - hazard) ** 0.25 for hazard in hazards]  # per quarter bin
                 later = [0.0] * (4 * self.bins + 1)  # the discounted expected reuse
                 for quarter in range(4 * self.bins - 1, -1, -1):
-                    chance = 1 - (1 - hazards[quarter // 4]) ** 0.25
+                    chance = chances[quarter // 4]
                     later[quarter] = chance + (1 - chance) * discount * later[quarter + 1]
                 table, errors = [], []
+                within = error = 0.0
+                was_first = was_last = -1
                 for quarter in range(4 * self.bins):
                     first = quarter // 4
                     last = min(int(quarter / 4 + span), self.bins - 1)
-                    within = 1 - math.exp(log_survival[last + 1] - log_survival[first])
+                    if first != was_first or last != was_last:
+                        was_first, was_last = first, last
+                        within = 1 - math.exp(log_survival[last + 1] - log_survival[first])
+                        # (a binomial standard error, from the candidates at risk at that age)
+                        error = CONFIDENCE * math.sqrt(
+                            within * (1 - within) / max(risks[first], 1.0)
+                        )
                     table.append(within + TIE_BREAK * later[quarter])
-                    # (a binomial standard error, from the candidates at risk at that age)
-                    errors.append(
-                        CONFIDENCE * math.sqrt(within * (1 - within) / max(risks[first], 1.0))
-                    )
+                    errors.append(error)
                 self._scores.append(table)
                 self._errors.append(errors)
         return self._scores
