@@ -153,9 +153,9 @@ def _is_leaf(page: Page, going: Set[Page]) -> bool:
 
 
 def _next_is(page: Page, parent: Block) -> bool:
-    """Whether the page after `page` in its list is `parent`'s page of its layer group, not set
-    aside: then that page is where the parent's is (a request's pages are queued deepest
-    first), and reading the parent's pages (a cache miss) can wait for that page's turn."""
+    """Whether the page after `page` in its list is `parent`'s page of its layer group and not
+    set aside: then the parent's page is known not to be aside without reading the parent's
+    page list (a cache miss). A request's pages are queued deepest first, so it usually is."""
     after = page.after
     return (
         after is not None
