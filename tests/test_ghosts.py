@@ -175,3 +175,22 @@ def test_the_native_table_keeps_no_key_object():
     table.put_many([key], [8])
     assert sys.getrefcount(key) == before
     assert table.items() == [(bytes(range(32)), 8)] and table.items()[0][0] is not key
+
+
+def test_a_table_never_written_costs_nothing_and_its_room_comes_at_the_first_put():
+    import tracemalloc
+
+    if len(IMPLEMENTATIONS) < 2:
+        pytest.skip("python backend")
+    module = IMPLEMENTATIONS[1].values[0]
+    tracemalloc.start()
+    try:
+        table = module.GhostTable(1 << 20)
+        made = tracemalloc.get_traced_memory()[0]
+        table.put(named("first"), 1)
+        written = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert made < 1 << 12  # (the smallest arrays)
+    assert written > 100 << 20  # (room for 2**20 entries: the ring and its index, 112 MiB)
+    assert table.items() == [(named("first"), 1)]

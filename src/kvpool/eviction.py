@@ -424,9 +424,8 @@ class ClassedQueue(EvictionQueue):
                 break
             kids = block.kids
             group = page.layer_group
-            # (An only child that is the block just picked, in this page's layer group: its
-            # page is that one, going. The usual case: a request's pages are queued deepest
-            # first. Saves reading the child's pages.)
+            # (An only child just picked in this layer group, the usual case since a request's
+            # pages are queued deepest first, is going: its pages need no reading.)
             if kids is not None and (kids is not below or pages[-1].layer_group != group):
                 if isinstance(kids, dict):
                     if not _is_leaf(page, going):
@@ -439,11 +438,7 @@ class ClassedQueue(EvictionQueue):
             room -= 1
             if interior:  # (else no parent waits aside)
                 parent = block.parent
-                above = (
-                    parent.pages[group]
-                    if parent is not None and not _next_is(page, parent)
-                    else None
-                )
+                above = None if parent is None or _next_is(page, parent) else parent.pages[group]
                 if above is not None and above.aside:
                     del interior[above]
                     above.aside = False

@@ -11,8 +11,8 @@ another key reads nothing else), and no tombstones (a removal shifts the keys pr
 back: Knuth's algorithm R). So in a steady state (as many puts as removals) nothing is ever
 rebuilt: the ring only grows, twice as large, when it is full and more than half of it is live,
 and is compacted in place of growing when it is full of holes; `GhostTable(expected)` makes room
-for `expected` entries up front (the arrays' pages come from the system as they are first
-written: a zeroed index is empty). The hash only places keys in the index: what a call returns,
+for `expected` entries at its first put (a table never written costs nothing; after that the
+arrays' pages come from the system as they are first written: a zeroed index is empty). The hash only places keys in the index: what a call returns,
 and the order, never depend on it. */
 
 #define PY_SSIZE_T_CLEAN
@@ -39,6 +39,7 @@ typedef struct {
     Py_ssize_t live;
     int64_t *index; /* mask + 1 slots: EMPTY, or slot_of(place, hash) (never 0) */
     size_t mask;
+    size_t room; /* the capacity to make at the first put (from `expected`), 0 once made */
 } GhostTable;
 
 /* A hash of a key's bytes (a block key is already uniform: this only mixes its four words,
@@ -212,10 +213,11 @@ static PyObject *ghosts_new(PyTypeObject *type, PyObject *args, PyObject *kwargs
     if (t == NULL) {
         return NULL;
     }
-    if (rebuild(t, capacity) < 0) {
+    if (rebuild(t, MIN_CAPACITY) < 0) {
         Py_DECREF(t);
         return NULL;
     }
+    t->room = capacity > MIN_CAPACITY ? capacity : 0;
     return (PyObject *)t;
 }
 
@@ -267,6 +269,13 @@ static int put_one(GhostTable *t, const unsigned char *key, uint64_t h, int64_t 
     if (e >= 0) { /* (its place stays) */
         t->values[e] = value;
         return 0;
+    }
+    if (t->room) { /* the first put: the room asked for (a table never written costs nothing) */
+        size_t room = t->room;
+        if (room > t->ring + 1 && rebuild(t, room) < 0) {
+            return -1;
+        }
+        t->room = 0;
     }
     size_t capacity = t->ring + 1;
     if (t->span == capacity && /* full: grow if more than half of it is live, else compact */

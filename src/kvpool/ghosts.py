@@ -33,7 +33,8 @@ def _check_value(value: object) -> None:
 
 class GhostTable:
     """Keys (32-byte bytes) -> values (ints in [0, 2**63)), in insertion order; room for
-    `expected` entries is made up front (the native form's arrays: no growing on the way)."""
+    `expected` entries is made at the first put (the native form's arrays: no growing on the
+    way there)."""
 
     def __init__(self, expected: int = 0) -> None:
         if type(expected) is not int or not 0 <= expected <= MAX_EXPECTED:

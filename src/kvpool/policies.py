@@ -49,8 +49,8 @@ Policies:
   of insertions; memory: the ghost table (`kvpool.ghosts`, native form) is a ring of twice the
   ghosts' number of 40-byte places (a copy of the key, the int) and an index of four times as
   many 8-byte slots: 112 bytes a ghost, so about 0.9 KB of host memory per block of capacity
-  once full; it is made with room for up to 2**20 ghosts, its pages taken from the system as
-  they fill (benchmarks/soak_rss.py: the resident set flat once the table of a 131,072-block
+  once full; room for up to 2**20 ghosts is made at the first drop, its pages taken from the
+  system as they fill (benchmarks/soak_rss.py: the resident set flat once the table of a 131,072-block
   capacity is full).
 - `lfu`: the same use counts, strictly: the lowest class first, LRU within a class (the
   runner-up: ahead of LRU at small caches, far behind at large ones).
@@ -156,8 +156,8 @@ class HazardPolicy(EvictionPolicy):
         self.reuses = [[0.0] * bins for _ in range(CLASSES + 1)]
         # block key -> (last use, uses) packed in one int, oldest first (`kvpool.ghosts`; the
         # key itself, not its salted hash(), so no process's hash seed can matter), made at its
-        # full size up to PRESIZED_GHOSTS (no growing in the engine's loop; a larger one, for
-        # a cache with big host or disk levels, grows as it fills)
+        # full size, up to PRESIZED_GHOSTS, at the first drop (no growing in the engine's loop;
+        # a larger one, for a cache with big host or disk levels, grows as it fills)
         self.ghosts = GhostTable(min(self.ghost_limit, PRESIZED_GHOSTS))
         self.now = 0  # the clock: blocks requests used or committed so far
         self.first_insert: int | None = None
