@@ -12,8 +12,8 @@ back: Knuth's algorithm R). So in a steady state (as many puts as removals) noth
 rebuilt: the ring only grows, twice as large, when it is full and more than half of it is live,
 and is compacted in place of growing when it is full of holes; `GhostTable(expected)` makes room
 for `expected` entries at its first put (a table never written costs nothing; after that the
-arrays' pages come from the system as they are first written: a zeroed index is empty). The hash only places keys in the index: what a call returns,
-and the order, never depend on it. */
+arrays' pages come from the system as they are first written: a zeroed index is empty). The
+hash only places keys in the index: what a call returns, and the order, never depend on it. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
