@@ -416,7 +416,7 @@ class ClassedQueue(EvictionQueue):
         may be a leaf now). Returns the list's next page and that parent (or None)."""
         interior = self._interior
         room = count - len(pages)
-        below = pages[-1].block  # the block of the page picked last
+        last = pages[-1]  # the page picked last
         while page is not None and room:
             block = page.block
             assert block is not None  # (queued: committed)
@@ -426,7 +426,7 @@ class ClassedQueue(EvictionQueue):
             group = page.layer_group
             # (An only child just picked in this layer group, the usual case since a request's
             # pages are queued deepest first, is going: its pages need no reading.)
-            if kids is not None and (kids is not below or pages[-1].layer_group != group):
+            if kids is not None and (kids is not last.block or last.layer_group != group):
                 if isinstance(kids, dict):
                     if not _is_leaf(page, going):
                         break
@@ -434,7 +434,7 @@ class ClassedQueue(EvictionQueue):
                     break
             pages.append(page)
             going.add(page)
-            below = block
+            last = page
             room -= 1
             if interior:  # (else no parent waits aside)
                 parent = block.parent

@@ -50,8 +50,8 @@ Policies:
   ghosts' number of 40-byte places (a copy of the key, the int) and an index of four times as
   many 8-byte slots: 112 bytes a ghost, so about 0.9 KB of host memory per block of capacity
   once full; room for up to 2**20 ghosts is made at the first drop, its pages taken from the
-  system as they fill (benchmarks/soak_rss.py: the resident set flat once the table of a 131,072-block
-  capacity is full).
+  system as they fill (benchmarks/soak_rss.py: the resident set flat once the table of a
+  131,072-block capacity is full).
 - `lfu`: the same use counts, strictly: the lowest class first, LRU within a class (the
   runner-up: ahead of LRU at small caches, far behind at large ones).
 

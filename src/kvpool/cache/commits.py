@@ -147,9 +147,9 @@ class Commits:
     def _attach_pages(
         self, request: RequestState, first: int, blocks: list[Block], priorities: Priorities | None
     ) -> None:
-        """Make the request's pages of blocks `first`, `first + 1`, ... the tree blocks' pages (with their
-        `priorities`, if given); where a block already has one, share it instead (one copy of
-        the KV, not two)."""
+        """Make the request's pages of blocks `first`, `first + 1`, ... the tree blocks' pages
+        (with their `priorities`, if given); where a block already has one, share it instead
+        (one copy of the KV, not two)."""
         owners = self._ctx.owners
         events = self._ctx.tree.kv_events
         for g in request._attention_groups:
