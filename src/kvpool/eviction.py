@@ -12,7 +12,7 @@ release order), and the policy's scores decide which class gives up its oldest l
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Set
+from collections.abc import Iterator
 from itertools import islice
 
 from kvpool.errors import CorruptedError, OutOfPagesError
@@ -139,17 +139,22 @@ def _used_at(page: Page) -> int:
     return block.used_at
 
 
-def _is_leaf(page: Page, going: Set[Page]) -> bool:
-    """No child block holds a page of `page`'s layer group (other than pages in `going`):
-    dropping it drops nothing else."""
+def _is_leaf(page: Page) -> bool:
+    """No child block holds a page of `page`'s layer group (other than pages picked to go in
+    this batch): dropping it drops nothing else."""
     block = page.block
     if block is None or block.kids is None:
         return True
     group = page.layer_group
     kids = block.kids
     if isinstance(kids, dict):
-        return all(kid.pages[group] is None or kid.pages[group] in going for kid in kids.values())
-    return kids.pages[group] is None or kids.pages[group] in going
+        for kid in kids.values():
+            below = kid.pages[group]
+            if below is not None and not below.going:
+                return False
+        return True
+    below = kids.pages[group]
+    return below is None or below.going
 
 
 def _next_is(page: Page, parent: Block) -> bool:
@@ -310,17 +315,14 @@ class ClassedQueue(EvictionQueue):
 
     def _take_classed(self, count: int) -> list[Page]:
         """The next `count` classed pages to evict, as the policy scores them (left queued).
-
-        The lists are only read while the victims are picked: per class a cursor walks its
-        list from the head (`nexts`: its page), and a stack (`fronts`) holds the parents that
-        became leaves in this batch (they come before the cursor's page: they were older). Afterwards
-        `_settle_batch` leaves a list whose cursor only took leaves as it was (its picked
-        pages are its first ones, in order: the usual case) and rearranges the others as if
-        each pick had been taken out and put back at the head."""
+        The lists are only read while picking: per class a cursor walks its list from the head
+        (`nexts`), and a stack (`fronts`) holds the parents that became leaves in this batch
+        (older than the cursor's page). `_settle_batch` then leaves a list whose cursor only
+        took leaves as it was (the usual case) and rearranges the others as if each pick had
+        been taken out and put back at the head."""
         lists, interior, score = self._classes, self._interior, self.policy.scorer()
         classes = len(lists)
-        pages: list[Page] = []
-        going: set[Page] = set()
+        pages: list[Page] = []  # (each flagged `going` until the batch is settled)
         nexts: list[Page | None] = [pages_of.first for pages_of in lists]
         fronts: list[list[Page]] = [[] for _ in range(classes)]
         passed: list[list[Page]] = [[] for _ in range(classes)]  # non-leaves a cursor passed
@@ -332,7 +334,7 @@ class ClassedQueue(EvictionQueue):
             front = fronts[klass]
             while front:
                 page = front[-1]
-                if _is_leaf(page, going):
+                if _is_leaf(page):
                     value, error = score(page)
                     heads[klass] = (value, _used_at(page), error, page)
                     return
@@ -341,7 +343,7 @@ class ClassedQueue(EvictionQueue):
                 page.aside = True
             later = nexts[klass]
             while later is not None:
-                if _is_leaf(later, going):
+                if _is_leaf(later):
                     value, error = score(later)
                     heads[klass] = (value, _used_at(later), error, later)
                     return
@@ -377,7 +379,7 @@ class ClassedQueue(EvictionQueue):
                     best, chosen = oldest, first  # (not worth leaving LRU's choice)
                 page = chosen[3]
                 pages.append(page)
-                going.add(page)
+                page.going = True
                 front = fronts[best]
                 if front and front[-1] is page:
                     front.pop()
@@ -389,9 +391,7 @@ class ClassedQueue(EvictionQueue):
                     if above is None and by_age:
                         # The pages after it used at the same time score the same: the same
                         # choice follows for each, while nothing else changes.
-                        nexts[best], above = self._take_run(
-                            page.after, chosen[1], pages, going, count
-                        )
+                        nexts[best], above = self._take_run(page.after, chosen[1], pages, count)
                 if above is not None:
                     fronts[above.klass].append(above)
                 refresh(best)
@@ -408,10 +408,9 @@ class ClassedQueue(EvictionQueue):
         page: Page | None,
         used_at: int,
         pages: list[Page],
-        going: set[Page],
         count: int,
     ) -> tuple[Page | None, Page | None]:
-        """Add to `pages` (and `going`) `page` and the ones after it in its list while they
+        """Add to `pages` (flagged `going`) `page` and the ones after it in its list while they
         are leaves last used at `used_at`, up to `count` pages or a parent set aside (which
         may be a leaf now). Returns the list's next page and that parent (or None)."""
         interior = self._interior
@@ -428,12 +427,12 @@ class ClassedQueue(EvictionQueue):
             # pages are queued deepest first, is going: its pages need no reading.)
             if kids is not None and (kids is not last.block or last.layer_group != group):
                 if isinstance(kids, dict):
-                    if not _is_leaf(page, going):
+                    if not _is_leaf(page):
                         break
-                elif (kid := kids.pages[group]) is not None and kid not in going:
+                elif (kid := kids.pages[group]) is not None and not kid.going:
                     break
             pages.append(page)
-            going.add(page)
+            page.going = True
             last = page
             room -= 1
             if interior:  # (else no parent waits aside)
@@ -469,6 +468,7 @@ class ClassedQueue(EvictionQueue):
                 for page in front:
                     head.move_to_front(page)
         for page in reversed(pages):
+            page.going = False
             if touched[page.klass]:
                 lists[page.klass].move_to_front(page)
 
@@ -488,6 +488,7 @@ class ClassedQueue(EvictionQueue):
                     or page.priority != DEFAULT_PRIORITY
                     or not page.queued
                     or page.aside
+                    or page.going  # (only while a batch is picked)
                 ):
                     problems.append(f"{page} (class {page.klass}) is in class list {klass}")
         for page in self._interior:

@@ -80,6 +80,12 @@ GHOST_USES: Final = (1 << GHOST_SHIFT) - 1  # (only min(uses, CLASSES) decides a
 PRESIZED_GHOSTS: Final = 1 << 20  # the ghosts the table has room for when it is made
 
 
+def _add_one(counts: list[float], index: int) -> None:
+    """`counts[index] += 1.0`, in machine floats when compiled (mypyc makes `+=` on a list item
+    a generic call that boxes the 1.0)."""
+    counts[index] = counts[index] + 1.0
+
+
 def use_class(block: Block) -> int:
     """A block's class: how many requests used it while it was remembered, up to CLASSES (0:
     never counted, e.g. a block from the remote tier: LRU)."""
@@ -234,9 +240,10 @@ class HazardPolicy(EvictionPolicy):
                 uses, used_at = block.uses, block.used_at
                 if not block.candidate:  # (a leaf only since its children went with it): start
                     age_bin = int((now - used_at) / width)
-                    started[uses if uses < CLASSES else CLASSES][
-                        age_bin if age_bin < last_bin else last_bin
-                    ] += 1.0
+                    _add_one(
+                        started[uses if uses < CLASSES else CLASSES],
+                        age_bin if age_bin < last_bin else last_bin,
+                    )
                 block.candidate = False  # (the ghost carries it)
                 keys.append(block.key)
                 values.append(used_at << GHOST_SHIFT | min(uses, GHOST_USES))
@@ -247,9 +254,10 @@ class HazardPolicy(EvictionPolicy):
             for ghost in ghosts.forget(excess):
                 used_at, uses = ghost >> GHOST_SHIFT, ghost & GHOST_USES
                 age_bin = int((now - used_at) / width)
-                ended[uses if uses < CLASSES else CLASSES][
-                    age_bin if age_bin < last_bin else last_bin
-                ] += 1.0
+                _add_one(
+                    ended[uses if uses < CLASSES else CLASSES],
+                    age_bin if age_bin < last_bin else last_bin,
+                )
         for parent in parents:
             if (
                 parent is not None
@@ -306,7 +314,7 @@ class HazardPolicy(EvictionPolicy):
         return min(int(age / self.width), self.bins - 1)
 
     def _start(self, block: Block, now: int) -> None:
-        self.started[use_class(block)][self._bin(now - block.used_at)] += 1
+        _add_one(self.started[use_class(block)], self._bin(now - block.used_at))
         block.candidate = True
 
     def _end(self, block: Block, now: int, reused: bool) -> None:
@@ -316,9 +324,9 @@ class HazardPolicy(EvictionPolicy):
     def _count(self, klass: int, age: int, reused: bool) -> None:
         if self.width:
             b = self._bin(age)
-            self.ended[klass][b] += 1
+            _add_one(self.ended[klass], b)
             if reused:
-                self.reuses[klass][b] += 1
+                _add_one(self.reuses[klass], b)
 
     def _learn_rate(self) -> None:
         """Once a capacity of new blocks has come in: the rate of new blocks per block of

@@ -40,6 +40,7 @@ class Page:
         "aside",
         "before",
         "block",
+        "going",
         "holds",
         "klass",
         "layer_group",
@@ -74,6 +75,7 @@ class Page:
         self.before: Page | None = None
         self.after: Page | None = None
         self.aside = False  # set aside by its queue (a classed page that is not a leaf)
+        self.going = False  # picked to go in the batch its queue is picking now
 
     @property
     def slot_id(self) -> int:
