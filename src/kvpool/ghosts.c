@@ -487,6 +487,9 @@ static PyObject *ghosts_forget(GhostTable *t, PyObject *arg) {
     }
     for (Py_ssize_t n = 0; n < count; n++) {
         size_t e = t->head; /* (live: the oldest end never rests on a hole) */
+        if (PREFETCH_AHEAD < t->span) { /* (a place written before: live, or a hole's old key) */
+            prefetch_slot(t, hash_of(key_at(t, (e + PREFETCH_AHEAD) & t->ring)));
+        }
         PyObject *value = PyLong_FromLongLong(t->values[e]);
         if (value == NULL) { /* (the entries forgotten so far stay forgotten: return them) */
             PyObject *done = PyList_GetSlice(values, 0, n);
