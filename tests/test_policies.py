@@ -654,3 +654,14 @@ def test_a_policy_for_a_huge_cache_takes_little_memory_until_it_drops_blocks():
     policy = make_policy("hazard", 50_000_000)
     assert rss_mib() - before < 16
     assert isinstance(policy, HazardPolicy) and policy.ghost_limit == 400_000_000
+    # The first drop makes the room asked for: at most 2**20 ghosts (112 MiB of arrays, their
+    # pages taken as they fill), not the 56 GiB of 400 million.
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        policy.ghosts.put(bytes(32), 1)
+        asked = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert asked < 200 << 20

@@ -4,10 +4,10 @@ One entry per dropped block: its key (32 bytes) -> an int the policy packs (last
 The policy adds an entry at every drop, looks up every new block (both in batches: `put_many`,
 `take_many`), and forgets the oldest entries once the table is full, so all three are O(1) a
 key. Order is insertion order; setting a key that is already there changes its value, not its
-place (as a dict does). This file is the reference; the native
-backend runs `ghosts.c` beside it (an insertion-ordered open-addressing table holding copies of
-the keys and C ints: no Python object per entry, so a dropped block's key is freed with it),
-selected like the core's compiled modules.
+place (as a dict does). This file is the reference; the native backend runs `ghosts.c` beside
+it (an insertion-ordered open-addressing table holding copies of the keys and C ints: no Python
+object per entry, so a dropped block's key is freed with it), selected like the core's compiled
+modules.
 """
 
 from __future__ import annotations
