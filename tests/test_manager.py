@@ -1,5 +1,7 @@
 """KVCacheManager foundation: levels sized from config, floors, page views, shutdown."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -212,6 +214,42 @@ def test_level_zero_in_shared_memory_lives_in_files_that_go_with_the_manager(tmp
     cache.close()
     del view, shared
     shutdown(m)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_level_zero_shared_by_file_descriptor_leaves_no_file_and_other_processes_map_it():
+    """memfd: another process maps each pool through /proc/<pid>/fd (it writes, we read)."""
+    import subprocess
+    import sys
+
+    config = make_config(tiers=[GpuCacheTierConfig(4 * MiB, shared_by_fd=True)])
+    m = KVCacheManager(config)
+    paths = m.shared_memory()
+    placement = m.layout.placement(0, "k")
+    assert sorted(paths) == [f"pool-0-{i}" for i in range(len(m.layout.pool_groups[0].slot_sizes))]
+    assert all(path.startswith(f"/proc/{os.getpid()}/fd/") for path in paths.values())
+    cache = m.create_kv_cache(None, [])
+    assert cache.resume() and cache.resize(m.tokens_per_block)
+    row = int(cache.get_page_indices(0, "k")[0])
+    writer = (
+        "import sys\nfrom kvpool.storage.shared import map_shared\n"
+        "pages = map_shared(sys.argv[1]).reshape(-1, int(sys.argv[2]))\n"
+        "pages[int(sys.argv[3])] = 77\n"
+    )
+    path = paths[f"pool-0-{placement.pool}"]
+    subprocess.run([sys.executable, "-c", writer, path, str(placement.size), str(row)], check=True)
+    assert (m.page_view(0, "k")[row] == 77).all()
+    target = os.readlink(path)
+    assert target.startswith("/memfd:kvpool-pool-0-"), target  # (no file in any directory)
+    cache.close()
+    shutdown(m)
+    assert not os.path.exists(path)  # (closed: the last holder gone, the kernel frees it)
+
+
+def test_shared_by_fd_and_shared_dir_are_exclusive(tmp_path):
+    tier = GpuCacheTierConfig(4 * MiB, shared_dir=str(tmp_path), shared_by_fd=True)
+    with pytest.raises(ConfigError, match=r"cache_tiers\[0\]\.shared_by_fd"):
+        KVCacheManager(make_config(tiers=[tier]))
     assert list(tmp_path.iterdir()) == []
 
 

@@ -76,10 +76,15 @@ class GpuCacheTierConfig:
     `shared_dir`: keep level 0 in host memory instead, one file per pool in this existing
     directory (a RAM file system: /dev/shm), which other processes map by name
     (`kvpool.storage.memory.map_shared`). For engines whose workers copy KV in and out of
-    kvpool's pages in other processes (the vLLM connector). The files go with the manager."""
+    kvpool's pages in other processes (the vLLM connector). The files go with the manager.
+
+    `shared_by_fd`: the same in anonymous shared memory (memfd), no file in any directory:
+    other processes open it through `/proc/<pid>/fd/<fd>` (`KVCacheManager.shared_memory()`),
+    and the kernel frees it when the last process holding it ends, however it ends."""
 
     quota: int
     shared_dir: str | None = None
+    shared_by_fd: bool = False
 
     @property
     def tier(self) -> CacheTier:
@@ -342,6 +347,9 @@ class KVCacheManagerConfig:
             shared = getattr(tier_config, "shared_dir", None)
             if shared is not None and not (isinstance(shared, str) and os.path.isdir(shared)):
                 _fail(f"{name}.shared_dir", shared, "None or an existing directory")
+            by_fd = getattr(tier_config, "shared_by_fd", False)
+            if type(by_fd) is not bool or (by_fd and shared is not None):
+                _fail(f"{name}.shared_by_fd", by_fd, "a bool, and False when shared_dir is set")
             if isinstance(tier_config, DiskCacheTierConfig) and not (
                 isinstance(tier_config.path, str | os.PathLike) and os.path.isdir(tier_config.path)
             ):

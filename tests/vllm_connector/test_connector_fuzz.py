@@ -64,12 +64,11 @@ class Simulation:
                 "host_bytes": 2 << 20,
                 "disk_bytes": 4 << 20,
                 "disk_path": str(tmp_path / "disk"),
-                "shared_dir": str(tmp_path),
             }
         )
-        self.scheduler = SchedulerSide(settings, PAGE, f"fuzz{seed}", "fuzz-model")
+        self.scheduler = SchedulerSide(settings, PAGE, "fuzz-model")
         self.scheduler.manager.record_decisions()
-        config = PAGE.manager_config(settings, "", "fuzz-model")
+        config = PAGE.manager_config(settings, "fuzz-model")
         self.worker = WorkerSide(PAGE, NUM_BLOCKS, KVLayout(config.layers, BLOCK))
         shape = (NUM_BLOCKS, 2, PAGE.local_heads, BLOCK, PAGE.head_size)
         self.kv = {name: torch.zeros(shape) for name in PAGE.layer_names}

@@ -71,9 +71,9 @@ def test_what_it_cannot_hold_exactly_is_refused_by_name(groups, parallel, messag
 def test_tensor_parallel_ranks_share_a_page_each_with_its_own_heads(tmp_path):
     layers = ("l0", "l1")
     full_page = PageFormat(layers, 16, 1, 64, 4, 0, 2)  # (any rank: the scheduler's view)
-    settings = ConnectorSettings.parse({"host_bytes": 2 << 20, "shared_dir": str(tmp_path)})
-    scheduler = SchedulerSide(settings, full_page, "tp", "m")
-    config_ = full_page.manager_config(settings, "", "m")
+    settings = ConnectorSettings.parse({"host_bytes": 2 << 20})
+    scheduler = SchedulerSide(settings, full_page, "m")
+    config_ = full_page.manager_config(settings, "m")
     workers, tensors = [], []
     for rank in range(2):
         page = PageFormat(layers, 16, 1, 64, 4, rank, 2)
@@ -85,7 +85,7 @@ def test_tensor_parallel_ranks_share_a_page_each_with_its_own_heads(tmp_path):
     cache = scheduler.manager.create_kv_cache(None, [])
     assert cache.resume() and cache.resize(32)
     slots = [int(s) for s in cache.get_base_page_indices(0)]
-    meta = KVPoolConnectorMetadata(scheduler.shared_dir, saves=[Transfer("r", [2, 3], slots)])
+    meta = KVPoolConnectorMetadata(scheduler.shared, saves=[Transfer("r", [2, 3], slots)])
     for worker in workers:
         worker.start_load_kv(meta)
     # the page holds rank 0's head, then rank 1's, of both blocks, in every layer and role
@@ -101,7 +101,7 @@ def test_tensor_parallel_ranks_share_a_page_each_with_its_own_heads(tmp_path):
         for tensor in tensors[rank].values():
             tensor.zero_()
         worker.start_load_kv(
-            KVPoolConnectorMetadata(scheduler.shared_dir, loads=[Transfer("r", [0, 1], slots)])
+            KVPoolConnectorMetadata(scheduler.shared, loads=[Transfer("r", [0, 1], slots)])
         )
     for layer, name in enumerate(layers):
         for kv, role in enumerate(("k", "v")):

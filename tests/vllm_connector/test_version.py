@@ -39,7 +39,8 @@ def test_bad_extra_config_keys_are_named():
         "disk_bytes": (1 << 20, "disk_path"),  # a disk level needs its directory
         "eviction_policy": ("fifo", "one of"),
         "remote_url": ("http://x", "remote_url"),
-        "shared_dir": ("/no/such/dir", "an existing directory"),
+        "shared_dir": ("/dev/shm", "no file in /dev/shm"),
+        "model_id": ("  ", "a non-empty string"),
         "host_bytes_typo": (1, "the keys are"),
     }
     for key, (value, message) in cases.items():

@@ -104,6 +104,7 @@ class ManagerCore:
                         else None,
                         quota_name=f"cache_tiers[{level}].quota",
                         shared_dir=getattr(tier_config, "shared_dir", None),  # (GPU level)
+                        shared_by_fd=getattr(tier_config, "shared_by_fd", False),
                     )
                 )
         except BaseException:

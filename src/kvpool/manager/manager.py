@@ -17,6 +17,7 @@ from kvpool.manager.rebalancing import Rebalancing
 from kvpool.radix import Match, lost_block
 from kvpool.records import LostBlock, Page
 from kvpool.remote import RemotePrefix
+from kvpool.storage.shared import SharedHostMemory, shared_pool_file
 from kvpool.tokens import Token, root_key
 from kvpool.validation import (
     check_bool,
@@ -177,6 +178,17 @@ class KVCacheManager(Rebalancing):
                     if lost is not None:
                         items.append((lost, page))
         return self._write_remote(items) if items else 0
+
+    def shared_memory(self) -> dict[str, str]:
+        """A shared first level's pools (`GpuCacheTierConfig.shared_dir`/`shared_by_fd`): each
+        pool's file name (`storage.shared.shared_pool_file`) -> the path another process maps
+        (`storage.shared.map_shared`). Empty when level 0 is not shared."""
+        found = {}
+        for g, group in enumerate(self.level_storage(0).pool_groups):
+            for pool, memory in enumerate(group.memories):
+                if isinstance(memory, SharedHostMemory):
+                    found[shared_pool_file(g, pool)] = memory.handle_path
+        return found
 
     @property
     def num_open_kv_caches(self) -> int:

@@ -235,6 +235,7 @@ class LevelStorage:
         disk_path: str | os.PathLike[str] | None = None,
         quota_name: str = "quota",
         shared_dir: str | None = None,
+        shared_by_fd: bool = False,
     ) -> None:
         if len(ratio) != len(slot_sizes) or len(min_slots) != len(slot_sizes):
             raise ArgumentError(
@@ -249,6 +250,7 @@ class LevelStorage:
         self.min_slots = list(min_slots)
         self._disk_path = disk_path
         self._shared_dir = shared_dir
+        self._shared_by_fd = shared_by_fd
         counts = slot_counts_from_ratio(
             quota, slot_sizes, ratio, self.granularity, min_slots, quota_name
         )
@@ -275,6 +277,9 @@ class LevelStorage:
         if self._shared_dir is not None:
             path = os.path.join(self._shared_dir, shared_pool_file(pool_group, pool))
             return SharedHostMemory(path, size, reserve)
+        if self._shared_by_fd:
+            name = f"kvpool-{shared_pool_file(pool_group, pool)}"
+            return SharedHostMemory(None, size, reserve, name)
         if self.tier is CacheTier.GPU:
             return DeviceMemory(size, reserve)
         if self.tier is CacheTier.HOST:

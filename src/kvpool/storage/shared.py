@@ -1,5 +1,8 @@
-"""Host memory other processes map by name: the first level of a manager whose engine copies
-KV in and out of its pages from other processes (the vLLM connector's workers)."""
+"""Host memory other processes map: the first level of a manager whose engine copies KV in and
+out of its pages from other processes (the vLLM connector's workers). Either a named file in a
+RAM file system, or anonymous shared memory (memfd) that other processes open through
+`/proc/<pid>/fd/<fd>`: no file anywhere, and the kernel frees it when the last process holding
+it (open or mapped) ends, however it ends (SIGKILL and the OOM killer included)."""
 
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ def shared_pool_file(pool_group: int, pool: int) -> str:
 
 
 class SharedHostMemory(HostMemory):
-    """Host RAM that other processes map by name: a file `path` (in a RAM file system such as
-    /dev/shm) of `max_size` bytes, mapped shared. An engine's worker processes read and write
+    """Host RAM that other processes map: a file `path` (in a RAM file system such as /dev/shm)
+    of `max_size` bytes, mapped shared, or with `path=None` an anonymous memfd named `name`
+    (other processes open `handle_path`). An engine's worker processes read and write
     pages through it while the manager's process decides where they live. It never grows past
     `max_size` (other processes' mappings would not follow); shrinking frees the file's pages
     past the cut (MADV_REMOVE). The used range has its memory allocated up front, on creation
@@ -30,10 +34,29 @@ class SharedHostMemory(HostMemory):
 
     kind = "shared host"
 
-    def __init__(self, path: str | os.PathLike[str], size: int, max_size: int | None = None):
-        self.path = os.fspath(path)
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        size: int,
+        max_size: int | None = None,
+        name: str = "kvpool",
+    ):
+        self.path = None if path is None else os.fspath(path)
+        self._name = name
         self._fd = -1
         super().__init__(size, max_size)
+
+    @property
+    def handle_path(self) -> str:
+        """What another process opens to map this memory (`map_shared`)."""
+        if self.path is not None:
+            return self.path
+        return f"/proc/{os.getpid()}/fd/{self._fd}"
+
+    def _open(self) -> int:
+        if self.path is None:
+            return os.memfd_create(self._name, os.MFD_CLOEXEC)
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
 
     def _reserve(self, size: int) -> mmap.mmap:
         if getattr(self, "_map", None) is not None:
@@ -42,10 +65,10 @@ class SharedHostMemory(HostMemory):
                 f"shared memory {self.path} cannot grow past its {self._max_size} bytes",
             )
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            self._fd = self._open()
         except OSError as error:
             raise StorageError(
-                error.errno or errno.EIO, f"cannot create shared memory file {self.path}"
+                error.errno or errno.EIO, f"cannot create shared memory {self._describe()}"
             ) from error
         try:
             os.ftruncate(self._fd, max(size, 1))
@@ -54,14 +77,19 @@ class SharedHostMemory(HostMemory):
         except BaseException as error:
             os.close(self._fd)
             self._fd = -1
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)
+            if self.path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
             if isinstance(error, OSError) and not isinstance(error, StorageError):
                 raise StorageError(
                     error.errno or errno.EIO,
-                    f"cannot map {size} bytes of shared memory at {self.path}: {error.strerror}",
+                    f"cannot map {size} bytes of shared memory {self._describe()}: "
+                    f"{error.strerror}",
                 ) from error
             raise
+
+    def _describe(self) -> str:
+        return f"at {self.path}" if self.path is not None else f"(memfd {self._name!r})"
 
     def _allocate(self, start: int, nbytes: int) -> None:
         """Give [start, start + nbytes) of the file its memory now: a RAM file system that
@@ -71,13 +99,15 @@ class SharedHostMemory(HostMemory):
         try:
             os.posix_fallocate(self._fd, start, nbytes)
         except OSError as error:
-            free = os.statvfs(os.path.dirname(self.path) or ".")
-            room = free.f_bavail * free.f_frsize
+            if self.path is None:
+                room = "the memory left to this process's cgroup"
+            else:
+                free = os.statvfs(os.path.dirname(self.path) or ".")
+                room = f"{free.f_bavail * free.f_frsize} bytes free on its file system"
             raise StorageError(
                 error.errno or errno.ENOSPC,
-                f"cannot give {nbytes} bytes of shared memory to {self.path} "
-                f"({os.strerror(error.errno or errno.ENOSPC)}); its file system has {room} "
-                "bytes free",
+                f"cannot give {nbytes} bytes of shared memory {self._describe()} "
+                f"({os.strerror(error.errno or errno.ENOSPC)}); room: {room}",
             ) from error
 
     def resize(self, new_size: int) -> None:
@@ -97,13 +127,15 @@ class SharedHostMemory(HostMemory):
         super().close()
         os.close(self._fd)
         self._fd = -1
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
 
 def map_shared(path: str | os.PathLike[str]) -> Bytes:
-    """The whole of a `SharedHostMemory` file, mapped shared, as a writable uint8 array (from
-    another process). The mapping lives as long as the array (and views of it)."""
+    """The whole of a `SharedHostMemory` (its `handle_path`), mapped shared, as a writable
+    uint8 array (from another process). The mapping lives as long as the array (and views of
+    it)."""
     with open(path, "r+b") as file:
         mapped = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_SHARED)
     return np.frombuffer(mapped, dtype=np.uint8)

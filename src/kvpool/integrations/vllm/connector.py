@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvpool.integrations.vllm.identity import vllm_model_identity
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata
 from kvpool.integrations.vllm.metrics import Deltas, KVPoolConnectorStats, KVPoolPromMetrics
 from kvpool.integrations.vllm.scheduler import SchedulerSide
@@ -51,16 +52,15 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
         self.page = PageFormat.from_vllm(vllm_config, kv_cache_config)
-        model_id = str(vllm_config.model_config.model)
-        config = self.page.manager_config(self.settings, "", model_id)
         self._deltas = Deltas()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(
-                self.settings, self.page, str(transfer.engine_id), model_id
-            )
+            identity = vllm_model_identity(vllm_config, self.page, self.settings.model_id)
+            log.info("kvpool: model identity %s", identity)
+            self._scheduler = SchedulerSide(self.settings, self.page, identity.digest)
         else:
+            config = self.page.manager_config(self.settings, "")
             layout = KVLayout(config.layers, config.tokens_per_block)
             self._worker = WorkerSide(self.page, int(kv_cache_config.num_blocks), layout)
 

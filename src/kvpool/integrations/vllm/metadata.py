@@ -1,5 +1,6 @@
 """What the scheduler side tells the workers each step: page copies, by vLLM block id and kvpool
-slot id (the workers map kvpool's first level, `shared_dir`, by name)."""
+slot id, and where kvpool's first level is (`shared`: each pool's memfd, which a worker opens
+through /proc/<scheduler pid>/fd and maps once)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,6 @@ class Transfer:
 class KVPoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's work: `saves` (vLLM -> kvpool) and `loads` (kvpool -> vLLM)."""
 
-    shared_dir: str
+    shared: dict[str, str]  # pool file name -> the path a worker maps
     saves: list[Transfer] = field(default_factory=list)
     loads: list[Transfer] = field(default_factory=list)

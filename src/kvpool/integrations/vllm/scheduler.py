@@ -19,11 +19,12 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
+from pathlib import Path
 from typing import Any
 
 from kvpool.config import ReuseScope
 from kvpool.errors import KVPoolError
+from kvpool.integrations.identity import fingerprint_weights, model_identity
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata, Transfer
 from kvpool.integrations.vllm.settings import ConnectorSettings, PageFormat
 from kvpool.manager import KVCacheManager
@@ -58,16 +59,41 @@ class ConnectorCounters:
     load_failures: int = 0  # lookups that could not bring their pages up (a read error)
 
 
-def shared_dir_for(settings: ConnectorSettings, engine_id: str) -> str:
-    return os.path.join(settings.shared_dir, f"kvpool-vllm-{engine_id}")
+class AdapterIdentities:
+    """The identity of each LoRA adapter (its config and a fingerprint of its weights), found
+    once per adapter. vLLM's `lora_int_id` is a number a server's user picks: another server,
+    or this one after a restart, may give the same number to another adapter, so keys that
+    outlive the process (the shared tier, a persistent disk) carry the adapter's identity."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, str, str], str] = {}
+
+    def of(self, lora: Any) -> str:
+        path = str(getattr(lora, "lora_path", "") or getattr(lora, "path", "") or "")
+        key = (int(lora.lora_int_id), str(getattr(lora, "lora_name", "")), path)
+        found = self._known.get(key)
+        if found is None:
+            try:
+                weights = fingerprint_weights(path)
+                config = Path(path, "adapter_config.json")
+                settings = config.read_text() if config.is_file() else ""
+                found = model_identity({"adapter_config": settings}, weights).digest
+            except (OSError, ValueError):  # (no local files: the name and path stand in)
+                found = model_identity({"lora_name": key[1], "lora_path": path}, None).digest
+            self._known[key] = found
+        return found
 
 
-def reuse_scope(request: Any) -> ReuseScope:
-    """vLLM's prefix-cache scoping: the LoRA adapter and the request's cache salt."""
+def reuse_scope(request: Any, adapters: AdapterIdentities) -> ReuseScope:
+    """vLLM's prefix-cache scoping: the LoRA adapter (its id, with its identity in the salt)
+    and the request's cache salt."""
     lora = getattr(request, "lora_request", None)
-    return ReuseScope(
-        lora_id=None if lora is None else int(lora.lora_int_id), salt=request.cache_salt
-    )
+    if lora is None:
+        return ReuseScope(lora_id=None, salt=request.cache_salt)
+    salt = f"lora:{adapters.of(lora)}"
+    if request.cache_salt is not None:
+        salt += f"|salt:{request.cache_salt}"
+    return ReuseScope(lora_id=int(lora.lora_int_id), salt=salt)
 
 
 def reusable(request: Any) -> bool:
@@ -79,18 +105,13 @@ def reusable(request: Any) -> bool:
 
 
 class SchedulerSide:
-    def __init__(
-        self, settings: ConnectorSettings, page: PageFormat, engine_id: str, model_id: str
-    ):
+    def __init__(self, settings: ConnectorSettings, page: PageFormat, model_id: str):
+        """`model_id`: the model's identity (`identity.vllm_model_identity`)."""
         self.page = page
         self.block_size = page.block_size
-        self.shared_dir = shared_dir_for(settings, engine_id)
-        os.makedirs(self.shared_dir, exist_ok=True)
-        try:
-            self.manager = KVCacheManager(page.manager_config(settings, self.shared_dir, model_id))
-        except BaseException:
-            shutil.rmtree(self.shared_dir, ignore_errors=True)
-            raise
+        self.manager = KVCacheManager(page.manager_config(settings, model_id))
+        self.shared = self.manager.shared_memory()
+        self.adapters = AdapterIdentities()
         self.loads: dict[str, _Pending] = {}
         self.saves: dict[str, _Pending] = {}
         self._load_transfers: list[Transfer] = []
@@ -125,7 +146,7 @@ class SchedulerSide:
         if usable <= 0:
             return None
         self.counters.lookups += 1
-        scope = reuse_scope(request)
+        scope = reuse_scope(request, self.adapters)
         if self.manager.probe_reuse(scope, tokens[:usable]) < self.block_size:
             return None
         cache = self.manager.create_kv_cache(scope, tokens[:usable])
@@ -190,7 +211,7 @@ class SchedulerSide:
         if num_blocks == 0 or request_id in self.saves:
             return False, None
         tokens = list(request.all_token_ids[: num_blocks * self.block_size])
-        scope = reuse_scope(request)
+        scope = reuse_scope(request, self.adapters)
         if self.manager.probe_reuse(scope, tokens) >= len(tokens):
             return False, None  # kvpool has all of it (at some level)
         cache = self.manager.create_kv_cache(scope, tokens)
@@ -212,7 +233,7 @@ class SchedulerSide:
 
     # -- each step -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVPoolConnectorMetadata:
-        meta = KVPoolConnectorMetadata(self.shared_dir, self._save_transfers, self._load_transfers)
+        meta = KVPoolConnectorMetadata(self.shared, self._save_transfers, self._load_transfers)
         self._save_transfers, self._load_transfers = [], []
         self._write_stats()
         return meta
@@ -276,7 +297,8 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         """Close every kvpool request (uncommitted saves are dropped), write what is waiting
-        for the remote tier, report, and delete the shared files."""
+        for the remote tier, report, and free the shared memory (the workers' mappings keep
+        theirs until they end)."""
         if self._closed:
             return
         self._closed = True
@@ -290,4 +312,3 @@ class SchedulerSide:
             self._write_stats(force=True)
         finally:
             self.manager.shutdown()
-            shutil.rmtree(self.shared_dir, ignore_errors=True)

@@ -11,7 +11,7 @@ Keys of `kv_connector_extra_config` (all optional):
 | `remote_namespace` | separates tenants on one server | `""` |
 | `remote_timeout_ms` | bound on every call to the server | 500 |
 | `eviction_policy` | `hazard`, `lru` or `lfu` | `hazard` |
-| `shared_dir` | where the first level's shared files live (a RAM file system) | `/dev/shm` |
+| `model_id` | the model's identity in keys that outlive the process, in place of the one computed from its config and weights (`identity.py`) | computed |
 | `kv_events_endpoint` | ZMQ endpoint publishing kvpool's KV events | none |
 | `stats_path` | a file the scheduler side keeps its counters in (JSON, rewritten as they change) | none |
 """
@@ -44,7 +44,7 @@ EXTRA_CONFIG_KEYS = (
     "remote_namespace",
     "remote_timeout_ms",
     "eviction_policy",
-    "shared_dir",
+    "model_id",
     "kv_events_endpoint",
     "stats_path",
 )
@@ -79,7 +79,7 @@ class ConnectorSettings:
     remote_namespace: str = ""
     remote_timeout_ms: int = 500
     eviction_policy: str = EVICTION_POLICIES[0]
-    shared_dir: str = "/dev/shm"
+    model_id: str | None = None
     kv_events_endpoint: str | None = None
     stats_path: str | None = None
 
@@ -90,6 +90,13 @@ class ConnectorSettings:
             extra = {}
         if not isinstance(extra, dict):
             raise ConfigError(f"kv_connector_extra_config={extra!r} is invalid: must be a dict")
+        if "shared_dir" in extra:
+            _fail(
+                "shared_dir",
+                extra["shared_dir"],
+                "left out: kvpool's host level is anonymous shared memory handed to vLLM's "
+                "workers by file descriptor (no file in /dev/shm)",
+            )
         unknown = sorted(str(key) for key in extra if key not in EXTRA_CONFIG_KEYS)
         if unknown:
             _fail(
@@ -104,10 +111,9 @@ class ConnectorSettings:
         policy = extra.get("eviction_policy", EVICTION_POLICIES[0])
         if policy not in EVICTION_POLICIES:
             _fail("eviction_policy", policy, f"one of {list(EVICTION_POLICIES)}")
-        shared_dir = _str(extra, "shared_dir", "/dev/shm")
-        assert shared_dir is not None
-        if not os.path.isdir(shared_dir):
-            _fail("shared_dir", shared_dir, "an existing directory (a RAM file system)")
+        model_id = _str(extra, "model_id", None)
+        if model_id is not None and not model_id.strip():
+            _fail("model_id", model_id, "a non-empty string")
         settings = cls(
             host_bytes=_int(extra, "host_bytes", GiB, 1),
             disk_bytes=disk_bytes,
@@ -116,7 +122,7 @@ class ConnectorSettings:
             remote_namespace=_str(extra, "remote_namespace", "") or "",
             remote_timeout_ms=_int(extra, "remote_timeout_ms", 500, 1),
             eviction_policy=str(policy),
-            shared_dir=shared_dir,
+            model_id=model_id,
             kv_events_endpoint=_str(extra, "kv_events_endpoint", None),
             stats_path=_str(extra, "stats_path", None),
         )
@@ -210,11 +216,10 @@ class PageFormat:
             tp_size=int(parallel.tensor_parallel_size),
         )
 
-    def manager_config(
-        self, settings: ConnectorSettings, shared_dir: str, model_id: str
-    ) -> KVCacheManagerConfig:
-        """kvpool's manager: level 0 in shared host memory, then disk, then the remote tier."""
-        tiers: list[CacheTierConfig] = [GpuCacheTierConfig(settings.host_bytes, shared_dir)]
+    def manager_config(self, settings: ConnectorSettings, model_id: str) -> KVCacheManagerConfig:
+        """kvpool's manager: level 0 in host memory shared with the workers (by file
+        descriptor), then disk, then the remote tier. `model_id`: the model's identity."""
+        tiers: list[CacheTierConfig] = [GpuCacheTierConfig(settings.host_bytes, shared_by_fd=True)]
         if settings.disk_bytes:
             assert settings.disk_path is not None
             tiers.append(DiskCacheTierConfig(settings.disk_bytes, settings.disk_path))

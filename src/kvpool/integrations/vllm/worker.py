@@ -1,13 +1,12 @@
 """The connector's worker side: copies whole blocks between vLLM's KV-cache tensors and
-kvpool's first level, which it maps from the files the scheduler side's manager created
-(`shared_dir`). It takes no decision; a copy that fails is reported, never half-used: a failed
+kvpool's first level, which it maps from the scheduler side's shared memory (the paths in each
+step's metadata: memfds opened through /proc). It takes no decision; a copy that fails is reported, never half-used: a failed
 load's blocks go to vLLM as load errors (vLLM recomputes them), a failed save is reported to
 the scheduler side, which then never commits its pages."""
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -63,7 +62,7 @@ class WorkerSide:
         self.views: list[torch.Tensor] = []
         self._pools: dict[str, torch.Tensor] = {}  # file name -> its bytes
         self._views: dict[tuple[int, str], tuple[torch.Tensor, int, int]] = {}
-        self._shared_dir: str | None = None
+        self._shared: dict[str, str] = {}
         self._sending: set[str] = set()
         self._recving: set[str] = set()
         self._failed_saves: set[str] = set()
@@ -87,14 +86,11 @@ class WorkerSide:
         found = self._views.get(key)
         if found is not None:
             return found
-        assert self._shared_dir is not None
         placement = self.layout.placement(layer, role)
         name = shared_pool_file(placement.pool_group, placement.pool)
         pool = self._pools.get(name)
         if pool is None:
-            pool = self._pools[name] = torch.from_numpy(
-                map_shared(os.path.join(self._shared_dir, name))
-            )
+            pool = self._pools[name] = torch.from_numpy(map_shared(self._shared[name]))
         size, page = placement.size, self.page
         rows = pool.numel() // size
         pages = (
@@ -110,8 +106,8 @@ class WorkerSide:
     def start_load_kv(self, meta: KVPoolConnectorMetadata) -> None:
         """Every copy of this step. (No page is both saved and loaded in one step: a save's
         pages are committed, so found by lookups, only after every worker reported it.)"""
-        if meta.shared_dir != self._shared_dir:  # (the first step: map the scheduler's files)
-            self._shared_dir = meta.shared_dir
+        if meta.shared != self._shared:  # (the first step: map the scheduler's memory)
+            self._shared = dict(meta.shared)
             self._pools.clear()
             self._views.clear()
         for transfer in meta.saves:
