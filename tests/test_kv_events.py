@@ -269,6 +269,32 @@ def test_no_events_cost_nothing_and_bad_event_config_is_refused_by_field():
         shutdown(taken)
 
 
+def test_a_start_that_fails_on_its_replay_port_releases_its_pub_port():
+    """Every failed start releases all it took: a retry in the same process binds the same PUB
+    endpoint at once, even while the first failure's exception (and its frames) is kept."""
+    import socket
+
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        pub = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    kept = []
+    try:
+        taken = f"tcp://127.0.0.1:{blocker.getsockname()[1]}"
+        with pytest.raises(ConfigError, match="kv_events.replay_endpoint") as caught:
+            KVCacheManager(make_config(kv_events=KVEventsConfig(pub, replay_endpoint=taken)))
+        kept.append(caught.value)  # (a caller that logs and keeps the error)
+        retry = KVCacheManager(
+            make_config(kv_events=KVEventsConfig(pub, replay_endpoint="tcp://127.0.0.1:0"))
+        )
+        assert retry.kv_event_endpoints[0] == pub
+        shutdown(retry)
+    finally:
+        blocker.close()
+
+
 def test_pages_swapped_through_ram_are_announced_on_their_new_medium(subscribers):
     """Every level nearly full of held pages: resuming swaps pages with those it pushes down
     (the staged path), and the subscriber still equals the manager."""
