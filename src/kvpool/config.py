@@ -293,6 +293,7 @@ class KVCacheManagerConfig:
     remote_tier: RemoteCacheTierConfig | None = None
     kv_events: KVEventsConfig | None = None
     eviction_policy: str = EVICTION_POLICIES[0]
+    lookahead_threads: int = 4  # threads doing `look_ahead`'s I/O (started on first use)
 
     def validate(self) -> None:
         """Raise `ConfigError` naming the first invalid field; return None when all is valid."""
@@ -306,6 +307,7 @@ class KVCacheManagerConfig:
         for i, batch in enumerate(constraints):
             _validate_batch(f"constraints[{i}]", batch)
         self._validate_rebalance()
+        _positive_int("lookahead_threads", self.lookahead_threads)
         util = self.max_util_for_resume
         if not _is_real(util) or math.isnan(util) or not 0.0 < util <= 1.0:
             _fail("max_util_for_resume", util, "a number in (0, 1]")

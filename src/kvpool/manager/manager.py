@@ -9,14 +9,14 @@ from collections.abc import Sequence
 from typing import SupportsIndex, cast
 
 from kvpool.cache import KVCache, PriorityCallback
-from kvpool.config import (
-    ReuseScope,
-)
+from kvpool.config import CacheTier, ReuseScope
 from kvpool.errors import ArgumentError, LogicError
+from kvpool.lookahead import DiskRange, Lookahead, LookaheadPool, RemoteQuery
 from kvpool.manager.rebalancing import Rebalancing
 from kvpool.radix import Match, lost_block
 from kvpool.records import LostBlock, Page
-from kvpool.remote import RemotePrefix
+from kvpool.remote import RemotePrefix, RemoteStatistics
+from kvpool.storage.memory import DiskMemory
 from kvpool.storage.shared import SharedHostMemory, shared_pool_file
 from kvpool.tokens import Token, root_key
 from kvpool.validation import (
@@ -31,6 +31,8 @@ from kvpool.validation import (
 class KVCacheManager(Rebalancing):
     """Paged, tiered KV-cache memory for one model."""
 
+    _lookaheads: LookaheadPool | None = None  # (made by the first look_ahead)
+
     def create_kv_cache(
         self,
         reuse_scope: object = None,
@@ -38,19 +40,27 @@ class KVCacheManager(Rebalancing):
         id: SupportsIndex | None = None,
         priority_callback: PriorityCallback | None = None,
         exclude_from_stats: object = False,
+        lookahead: Lookahead | None = None,
+        remote: object = True,
     ) -> KVCache:
         """A new request, SUSPENDED, already holding the longest reusable prefix of
         `input_tokens` (`num_committed_tokens == history_length == capacity ==` its length).
         Leave out the prompt tokens that must be recomputed (at least the last one).
-        `exclude_from_stats` marks warm-up or padding requests: they never feed rebalancing."""
+        `exclude_from_stats` marks warm-up or padding requests: they never feed rebalancing.
+        `lookahead`: a ready `look_ahead` of the same scope and tokens, whose answer and values
+        stand in for the remote tier's (no I/O here, none in the first resume). `remote=False`:
+        the remote tier is not asked (a request that only saves what it computed)."""
         self._require_open()
         started = time.perf_counter()
         scope_key = root_key(reuse_scope)
         id = self._new_id(id)
         check_callable("priority_callback", priority_callback)
         exclude = check_bool("exclude_from_stats", exclude_from_stats)
+        ask_remote = check_bool("remote", remote)
         tokens = [] if input_tokens is None else token_list("input_tokens", input_tokens)
-        match, prefix = self._match(scope_key, tokens)
+        if lookahead is not None:
+            self._check_lookahead(lookahead, scope_key, tokens)
+        match, prefix = self._match(scope_key, tokens, lookahead, ask_remote)
         if self._kv_events is not None and scope_key not in self._kv_events.scopes:
             scope = cast(ReuseScope, reuse_scope or ReuseScope())  # (checked by root_key)
             self._kv_events.scopes[scope_key] = scope  # (lora ids, salts)
@@ -129,29 +139,100 @@ class KVCacheManager(Rebalancing):
                     level = page.level
             hits[level] += min(tpb, reused - index * tpb)
 
-    def probe_reuse(self, reuse_scope: object, input_tokens: Sequence[Token]) -> int:
-        """How many tokens of `input_tokens` a new request would reuse now (holds nothing)."""
+    def probe_reuse(
+        self, reuse_scope: object, input_tokens: Sequence[Token], remote: object = True
+    ) -> int:
+        """How many tokens of `input_tokens` a new request would reuse now (holds nothing).
+        `remote=False`: of the local levels alone (no I/O)."""
         self._require_open()
         scope_key = root_key(reuse_scope)
         tokens = token_list("input_tokens", input_tokens)
+        ask_remote = check_bool("remote", remote)
         started = time.perf_counter()
-        match, prefix = self._match(scope_key, tokens)
+        match, prefix = self._match(scope_key, tokens, None, ask_remote)
         if self._counters.calls is not None:
             self._observe("probe_reuse", started)
         return match.num_tokens if prefix is None else prefix.end * self.tokens_per_block
 
-    def _match(self, scope_key: bytes, tokens: list[Token]) -> tuple[Match, RemotePrefix | None]:
-        """The longest reusable prefix of `tokens`: the local tree's match, or a block-aligned
-        local match continued by the remote tier when that reaches further."""
+    def look_ahead(self, reuse_scope: object, input_tokens: Sequence[Token]) -> Lookahead:
+        """Start the I/O a lookup of `input_tokens` waits for, off this thread (read-ahead of
+        the local match's disk pages, the remote tier's answer and values: `kvpool.lookahead`),
+        and return at once. Poll `ready`, then pass it to `create_kv_cache`; `cancel()` it if
+        the request goes away. Ready at once when the lookup needs no I/O."""
+        self._require_open()
+        scope_key = root_key(reuse_scope)
+        tokens = token_list("input_tokens", input_tokens)
         match = self._tree.match(scope_key, tokens, self._config.enable_partial_reuse)
-        if self._remote is None:
-            return match, None
+        query = None
+        if self._remote is not None:
+            _, parent_key, start = self._aligned(scope_key, tokens, match)
+            if len(tokens) // self.tokens_per_block > start:
+                query = RemoteQuery(parent_key, tokens, start)
+        lookahead = Lookahead(scope_key, tokens, self._disk_ranges(match), query)
+        if self._lookaheads is None:
+            self._lookaheads = LookaheadPool(self._remote, self._config.lookahead_threads)
+        self._lookaheads.submit(lookahead)
+        return lookahead
+
+    def _disk_ranges(self, match: Match) -> list[DiskRange]:
+        """The file ranges of the match's pages that are on a disk level."""
+        ranges = []
+        for block in match.blocks:
+            for page in block.pages:
+                if page is None or self._levels[page.level].tier is not CacheTier.DISK:
+                    continue
+                assert page.slot is not None
+                group = self._levels[page.level].pool_groups[page.pool_group]
+                for memory, size in zip(group.memories, group.slot_sizes, strict=True):
+                    if isinstance(memory, DiskMemory):
+                        ranges.append(DiskRange(memory.fileno, page.slot.slot_id * size, size))
+        return ranges
+
+    def _check_lookahead(self, lookahead: object, scope_key: bytes, tokens: list[Token]) -> None:
+        if not isinstance(lookahead, Lookahead):
+            fail("lookahead", lookahead, "None or what look_ahead() returned")
+        if not lookahead.ready:
+            raise LogicError("create_kv_cache(lookahead=...) before the lookahead is ready")
+        if lookahead.scope_key != scope_key or lookahead.tokens != tokens:
+            raise ArgumentError(
+                "lookahead is invalid: it was made for another reuse scope or other tokens"
+            )
+
+    def _aligned(
+        self, scope_key: bytes, tokens: list[Token], match: Match
+    ) -> tuple[Match, bytes, int]:
+        """`match` cut to whole blocks (the remote tier holds whole blocks), the key of its
+        last block (the scope's when none) and its number of blocks."""
         tpb = self.tokens_per_block
         aligned = match
-        if match.num_tokens % tpb:  # the remote tier holds whole blocks: continue the last one
+        if match.num_tokens % tpb:
             aligned = self._tree.match(scope_key, tokens[: match.num_tokens // tpb * tpb], False)
         parent_key = aligned.blocks[-1].key if aligned.blocks else scope_key
-        prefix = self._remote.lookup(parent_key, tokens, aligned.num_tokens // tpb)
+        return aligned, parent_key, aligned.num_tokens // tpb
+
+    def _match(
+        self,
+        scope_key: bytes,
+        tokens: list[Token],
+        lookahead: Lookahead | None = None,
+        ask_remote: bool = True,
+    ) -> tuple[Match, RemotePrefix | None]:
+        """The longest reusable prefix of `tokens`: the local tree's match, or a block-aligned
+        local match continued by the remote tier (or by `lookahead`'s answer from it) when
+        that reaches further."""
+        match = self._tree.match(scope_key, tokens, self._config.enable_partial_reuse)
+        if self._remote is None or not ask_remote:
+            return match, None
+        aligned, parent_key, start = self._aligned(scope_key, tokens, match)
+        if lookahead is None:
+            prefix = self._remote.lookup(parent_key, tokens, start)
+        else:  # (its answer continues the local match as it is now, or it is not used)
+            prefix = lookahead.remote
+            if prefix is not None and (prefix.start != start or prefix.parent_key != parent_key):
+                prefix = None
+            self._remote.add_statistics(lookahead.stats)
+            lookahead.stats = RemoteStatistics()
+        tpb = self.tokens_per_block
         if prefix is None or prefix.end * tpb <= match.num_tokens:
             return match, None
         return aligned, prefix
@@ -216,6 +297,8 @@ class KVCacheManager(Rebalancing):
         self._refuse_with_open_caches("shutdown")
         for page in self._tree.clear():
             self._storage.owners.settle(page)
+        if self._lookaheads is not None:
+            self._lookaheads.close()
         if self._remote is not None:
             self._remote.close()
         if self._kv_events is not None and self._publisher is not None:

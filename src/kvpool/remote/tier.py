@@ -42,6 +42,8 @@ class RemotePrefix:
     datas: list[bytes]  # their encoded tokens
     tokens: list[Token]  # the prompt's first end x tokens-per-block tokens
     num_tokens: int  # the tokens of blocks [start, end): what it adds to the local prefix
+    # its values, fetched and checked ahead of use (`kvpool.lookahead`): `fetch` returns them
+    fetched: dict[Pair, memoryview] | None = None
 
 
 class RemoteTier:
@@ -66,10 +68,24 @@ class RemoteTier:
         self.store.connect()
         self._writer = WriteBack(RemoteStore(config, clock), config.max_pending_writes)
         self._stats = RemoteStatistics()  # fetch and hit counters (the stores count the rest)
+        self._extra_stores: list[RemoteStore] = []  # the look-ahead threads' own connections
 
     @property
     def statistics(self) -> RemoteStatistics:
-        return self._stats + self.store.stats + self._writer.store.stats
+        total = self._stats + self.store.stats + self._writer.store.stats
+        for store in list(self._extra_stores):
+            total += store.stats
+        return total
+
+    def new_store(self) -> RemoteStore:
+        """Another connection to the server, for a thread of its own (closed with the tier)."""
+        store = RemoteStore(self.config)
+        self._extra_stores.append(store)
+        return store
+
+    def add_statistics(self, stats: RemoteStatistics) -> None:
+        """Counters of a lookup done by another thread, on the manager's thread."""
+        self._stats += stats
 
     def key(self, block_key: bytes, layer_group: int) -> bytes:
         return key_of(self.namespace, block_key, layer_group)
@@ -100,8 +116,18 @@ class RemoteTier:
 
     # -- lookup and fetch ------------------------------------------------------------------------
 
-    def lookup(self, parent_key: bytes, tokens: Sequence[Token], start: int) -> RemotePrefix | None:
-        """The remote part of the prefix of `tokens` past its first `start` (local) blocks."""
+    def lookup(
+        self,
+        parent_key: bytes,
+        tokens: Sequence[Token],
+        start: int,
+        store: RemoteStore | None = None,
+        stats: RemoteStatistics | None = None,
+    ) -> RemotePrefix | None:
+        """The remote part of the prefix of `tokens` past its first `start` (local) blocks
+        (asked on `store` and counted in `stats`: by default the tier's own)."""
+        store = self.store if store is None else store
+        stats = self._stats if stats is None else stats
         tpb = self._tpb
         count = min(len(tokens) // tpb - start, self.config.max_lookup_blocks)
         if count <= 0:
@@ -114,41 +140,51 @@ class RemoteTier:
             keys.append(key)
             datas.append(data)
         groups = len(self._groups)
-        found = self.store.exists([self.key(k, g) for k in keys for g in range(groups)])
+        found = store.exists([self.key(k, g) for k in keys for g in range(groups)])
         if found is None:
             return None
-        self._stats.lookups += 1
+        stats.lookups += 1
         end = self.usable_end(start, start + count, lambda i, g: found[(i - start) * groups + g])
         if end == start:
             return None
-        self._stats.found_blocks += end - start
+        stats.found_blocks += end - start
         n = end - start
         return RemotePrefix(
             start, end, parent_key, keys[:n], datas[:n], list(tokens[: end * tpb]), n * tpb
         )
 
-    def fetch(self, prefix: RemotePrefix) -> tuple[int, dict[Pair, memoryview]]:
+    def fetch(
+        self,
+        prefix: RemotePrefix,
+        store: RemoteStore | None = None,
+        stats: RemoteStatistics | None = None,
+    ) -> tuple[int, dict[Pair, memoryview]]:
         """Read the pages `prefix` needs; returns the end it can keep (shortened past a value
-        that is gone or fails its check) and the payload of each page that end needs."""
+        that is gone or fails its check) and the payload of each page that end needs. A
+        prefix fetched ahead (`fetched`) is returned as it is, without I/O."""
+        if prefix.fetched is not None:
+            return prefix.end, prefix.fetched
+        store = self.store if store is None else store
+        stats = self._stats if stats is None else stats
         start, end = prefix.start, prefix.end
         fetched: dict[Pair, memoryview | None] = {}
         while end > start:
             wanted = [pair for pair in self.needed(start, end) if pair not in fetched]
             if wanted:
                 keys = [self.key(prefix.keys[i - start], g) for i, g in wanted]
-                values = self.store.get_many(keys)
+                values = store.get_many(keys)
                 for key, (i, g), value in zip(
                     keys, wanted, values or [None] * len(wanted), strict=True
                 ):
                     size = self._payload_bytes[self.layout.pool_group_of[g]]
                     payload = decode_value(key, value, size)
                     if payload is not None:
-                        self._stats.bytes_read += len(value)  # type: ignore[arg-type]
+                        stats.bytes_read += len(value)  # type: ignore[arg-type]
                     elif values is not None:
                         if value is None:
-                            self._stats.missing_values += 1
+                            stats.missing_values += 1
                         else:
-                            self._stats.corrupt_values += 1
+                            stats.corrupt_values += 1
                     fetched[i, g] = payload
             shorter = self.usable_end(start, end, lambda i, g: fetched.get((i, g)) is not None)
             if shorter == end:
@@ -157,6 +193,22 @@ class RemoteTier:
         if end == start:
             return start, {}
         return end, {pair: fetched[pair] for pair in self.needed(start, end)}  # type: ignore[misc]
+
+    def shortened(
+        self, prefix: RemotePrefix, end: int, payloads: dict[Pair, memoryview]
+    ) -> RemotePrefix:
+        """`prefix` cut to blocks [start, end), with the payloads `fetch` returned for it."""
+        n = end - prefix.start
+        return RemotePrefix(
+            prefix.start,
+            end,
+            prefix.parent_key,
+            prefix.keys[:n],
+            prefix.datas[:n],
+            prefix.tokens[: end * self._tpb],
+            n * self._tpb,
+            payloads,
+        )
 
     def note_hit(self, blocks: int) -> None:
         self._stats.fetched_blocks += blocks
@@ -192,6 +244,8 @@ class RemoteTier:
         self._writer.close(timeout)
         self._writer.store.close()
         self.store.close()
+        for store in self._extra_stores:
+            store.close()
 
 
 __all__ = ["RemotePrefix", "RemoteTier"]
