@@ -283,7 +283,7 @@ def test_a_start_that_fails_on_its_replay_port_releases_its_pub_port():
     kept = []
     try:
         taken = f"tcp://127.0.0.1:{blocker.getsockname()[1]}"
-        with pytest.raises(ConfigError, match="kv_events.replay_endpoint") as caught:
+        with pytest.raises(ConfigError, match=r"kv_events\.replay_endpoint") as caught:
             KVCacheManager(make_config(kv_events=KVEventsConfig(pub, replay_endpoint=taken)))
         kept.append(caught.value)  # (a caller that logs and keeps the error)
         retry = KVCacheManager(
