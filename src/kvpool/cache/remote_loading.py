@@ -72,6 +72,9 @@ class RemoteLoading:
                     block.pages[g] is None
                 ):  # (else another request committed it meanwhile: keep that)
                     tree.attach(block, page)
+            persist = self._ctx.state.persist
+            if persist is not None:  # (pages written to a persistent disk level: records)
+                persist.stored([page for _, _, page in fetched])
             remote.note_hit(count)
         tokens = prefix.tokens[: end * request._tpb]
         self.forget(request)

@@ -28,6 +28,7 @@ from kvpool.events.publisher import KVEventPublisher
 from kvpool.eviction import ClassedQueue
 from kvpool.layout import KVLayout
 from kvpool.manager.invariants import check_invariants
+from kvpool.manager.recovery import DiskRecovery, disk_identity, recover
 from kvpool.policies import CLASSES, EvictionPolicy, make_policy
 from kvpool.radix import RadixTree, lost_block
 from kvpool.rebalance import DemandEstimator
@@ -35,8 +36,10 @@ from kvpool.records import LostBlock, Page
 from kvpool.remote import RemoteStatistics, RemoteTier
 from kvpool.stats import Counters, LatencyHistogram, ManagerStats, PoolGroupUsage
 from kvpool.storage.memory import HostMemory
+from kvpool.storage.persistent import PersistentLevelStorage
 from kvpool.storage.pools import LevelStorage
 from kvpool.tiers import StorageManager
+from kvpool.tiers.persistence import DiskRecords, label_bytes
 from kvpool.validation import check_bool, check_callable, check_index, fail
 
 # The request shape that sizes pool groups when the config names none.
@@ -92,6 +95,20 @@ class ManagerCore:
         self._levels: list[LevelStorage] = []
         try:
             for level, tier_config in enumerate(self._config.cache_tiers):
+                if isinstance(tier_config, DiskCacheTierConfig) and tier_config.persistent_id:
+                    self._levels.append(
+                        PersistentLevelStorage(
+                            tier_config.quota,
+                            slot_sizes,
+                            ratio,
+                            self._min_slots,
+                            path=tier_config.path,
+                            identity=disk_identity(tier_config.persistent_id, self.layout),
+                            label_bytes=label_bytes(self._config.tokens_per_block),
+                            quota_name=f"cache_tiers[{level}].quota",
+                        )
+                    )
+                    continue
                 self._levels.append(
                     LevelStorage(
                         tier_config.tier,
@@ -144,6 +161,10 @@ class ManagerCore:
         self._publisher: KVEventPublisher | None = None
         if self._config.kv_events is not None:
             self._start_kv_events(self._config.kv_events)
+        self._persist: DiskRecords | None = None
+        self._disk_recovery: DiskRecovery | None = None
+        if isinstance(self._levels[-1], PersistentLevelStorage):
+            self._recover_disk(self._levels[-1])
         self.rebalancer = DemandEstimator(self._config, self.layout, self._clock)
         self._constrained: dict[int, tuple[object, int, list[float]]] = {}
         self._living: dict[int, KVCache] = {}
@@ -167,6 +188,31 @@ class ManagerCore:
             policy=self._policy,
         )
         self._cache_parts = CacheParts(self._context)
+
+    def _recover_disk(self, storage: PersistentLevelStorage) -> None:
+        """Find the persistent disk level's blocks again (`kvpool.manager.recovery`), then keep
+        its records as pages arrive there."""
+        records = DiskRecords(len(self._levels) - 1, storage.persistent)
+        try:
+            self._disk_recovery = recover(
+                self.layout, self._tree, self._storage, records, self._policy, self._kv_events
+            )
+        except BaseException:
+            if self._publisher is not None:
+                self._publisher.close()
+            if self._remote is not None:
+                self._remote.close()
+            self._storage.close()
+            raise
+        self._persist = self._storage.state.persist = records
+        if self._checks:
+            check_invariants(self.layout, self._storage, self._tree, ())
+
+    @property
+    def disk_recovery(self) -> DiskRecovery | None:
+        """What this manager found on its persistent disk level when it started (None without
+        one): records, pages and blocks recovered, slots discarded by reason, bytes verified."""
+        return self._disk_recovery
 
     def _drop(self, pages: Sequence[Page]) -> Sequence[Page]:
         """The tree's `remove_pages`, telling the eviction policy (last level) and the remote

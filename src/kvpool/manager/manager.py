@@ -64,6 +64,8 @@ class KVCacheManager(Rebalancing):
         if self._kv_events is not None and scope_key not in self._kv_events.scopes:
             scope = cast(ReuseScope, reuse_scope or ReuseScope())  # (checked by root_key)
             self._kv_events.scopes[scope_key] = scope  # (lora ids, salts)
+        if self._persist is not None and scope_key not in self._persist.scopes:
+            self._persist.note_scope(scope_key, cast(ReuseScope, reuse_scope or ReuseScope()))
         cache = self._cache_class(
             self._context, self._cache_parts, id, scope_key, priority_callback, exclude
         )
@@ -281,9 +283,12 @@ class KVCacheManager(Rebalancing):
         return list(self._living.values())
 
     def clear_reusable_blocks(self) -> None:
-        """Forget every cached block (refused while requests are open)."""
+        """Forget every cached block (refused while requests are open), a persistent disk
+        level's records included: a later manager finds none of them."""
         self._require_open()
         self._refuse_with_open_caches("clear_reusable_blocks")
+        if self._persist is not None:  # (forgotten for later managers too)
+            self._persist.forget_all()
         for page in self._tree.clear():
             self._storage.owners.settle(page)
         if self._kv_events is not None:

@@ -125,6 +125,9 @@ class Migration:
             else:
                 self._owners.settle(page)
         self._state.queues[level][pool_group].push_all(evictable)
+        persist = self._state.persist
+        if persist is not None and level == persist.level:
+            persist.stored(batch)  # (their bytes are written: the committed ones get records)
         if source_level != level:
             if self._state.kv_events is not None:
                 self._state.kv_events.moved(batch, source_level, level)
@@ -222,6 +225,9 @@ class Migration:
             page.slot, page.level = slot, level
             self._state.pages[level][page.pool_group][slot.slot_id] = page
             self._owners.settle(page)
+            persist = self._state.persist
+            if persist is not None and level == persist.level:
+                persist.stored((page,))
             return
         raise CorruptedError(
             f"no level could take staged {page} (last write error: {failure}): its KV is lost"

@@ -12,6 +12,7 @@ from kvpool.eviction import EvictionQueue
 from kvpool.records import Page
 from kvpool.storage.copier import Copier
 from kvpool.storage.pools import LevelStorage
+from kvpool.tiers.persistence import DiskRecords
 
 PREMADE_RECORDS: Final = 1 << 17  # per pool group: at most about 53 MiB of records
 
@@ -47,6 +48,8 @@ class StorageState:
         self.events: list[tuple[object, ...]] | None = None
         # Told when the tree's pages change level (None: no KV events).
         self.kv_events: KVEventLog | None = None
+        # Told where pages arrive at a persistent disk level (None: the level is not one).
+        self.persist: DiskRecords | None = None
 
     def make_records(self, level: int, limit: int = PREMADE_RECORDS) -> int:
         """Make the slot handles and page records of `level`'s slots now (up to `limit` per
