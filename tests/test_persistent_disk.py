@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +35,8 @@ from kvpool import (
     StorageError,
 )
 from kvpool.lifecycles import SsmLifeCycle
-from kvpool.storage.persistent import HEADER_BYTES, file_name
+from kvpool.storage.persistent import _RECORD, HEADER_BYTES, RECORD_MAGIC, file_name
+from kvpool.tiers.persistence import _LABEL
 from kvpool.tokens import block_key_of_encoded, encode_tokens, root_key
 from tests.helpers import MiB, make_config, record_layer, shutdown, ssm_layer
 
@@ -424,6 +426,117 @@ def test_a_record_of_other_weights_is_a_miss(tmp_path):
     keys = {key for key, _ in disk_pages(m)}
     assert keys == reachable(prompts, slots, {victim})
     assert m.disk_recovery.records == len(slots) - 1
+    shutdown(m)
+
+
+def record_magic(directory, slot, stride, pool_group=0):
+    with open(level_file(directory, pool_group), "rb") as file:
+        file.seek(HEADER_BYTES + slot * stride)
+        return file.read(8)
+
+
+def test_a_slot_written_again_loses_its_record_first(tmp_path):
+    """Committed blocks fill the disk (each slot with a record); a suspended request's pages,
+    never committed, are then pushed down into those slots: their records are gone."""
+    m = KVCacheManager(config(tmp_path))
+    fill_disk(m)
+    _, stride = stride_of(m)
+    recorded = {page.slot_id for page in disk_pages(m).values()}
+    assert all(record_magic(tmp_path, slot, stride) == RECORD_MAGIC for slot in recorded)
+    held = m.create_kv_cache(None, [])
+    assert held.resume() and held.resize(20 * TPB)  # 20 blocks written, never committed
+    held.suspend()
+    for n in range(40, 50):
+        run(m, prompt(n))
+    level = m.num_levels - 1
+    pushed = [page for page in held._pages[0] if page is not None and page.level == level]
+    assert len(pushed) >= 10 and {page.slot_id for page in pushed} & recorded  # (the path)
+    for page in pushed:
+        assert record_magic(tmp_path, page.slot_id, stride) != RECORD_MAGIC
+    held.close()
+    shutdown(m)
+    m = KVCacheManager(config(tmp_path))
+    assert check_disk_bytes(m) == m.disk_recovery.pages > 50
+    shutdown(m)
+
+
+def copy_slot(directory, source, target, stride, sequence_delta):
+    """Copy a slot (record and bytes) to another slot, its record rewritten to name that slot
+    and a sequence number moved by `sequence_delta` (as a relocation leaves its source and
+    target, or a block lifted off disk and written back elsewhere, before the old slot is
+    written again)."""
+    path = level_file(directory)
+    whole = bytearray(path.read_bytes()[HEADER_BYTES + source * stride :][:stride])
+    fields = list(_RECORD.unpack_from(whole))
+    used = fields[2]
+    fields[5], fields[6] = target, fields[6] + sequence_delta
+    whole[: _RECORD.size] = _RECORD.pack(*fields)
+    whole[8:12] = zlib.crc32(bytes(whole[12:used])).to_bytes(4, "little")
+    patch(path, HEADER_BYTES + target * stride, bytes(whole))
+
+
+@pytest.mark.parametrize("newer", [False, True])
+def test_of_two_records_of_a_page_the_latest_wins(tmp_path, newer):
+    prompts, slots, _, stride = written(tmp_path, count=20)  # (free slots left)
+    key = chain_keys(prompts[2])[3]
+    target = max(slots.values()) + 5
+    copy_slot(tmp_path, slots[key], target, stride, 1 if newer else -1)
+    m = KVCacheManager(config(tmp_path))
+    found = m.disk_recovery
+    assert found.discarded == {"older duplicate": 1}
+    loser = slots[key] if newer else target
+    assert ("discard", 0, loser, "older duplicate") in found.decisions
+    assert disk_pages(m)[key, 0].slot_id == (target if newer else slots[key])
+    assert check_disk_bytes(m) == len(slots)
+    assert m.get_storage_statistics(m.num_levels - 1)[0].free == 128 - len(slots)
+    shutdown(m)
+
+
+def test_a_label_that_does_not_chain_to_its_key_is_a_miss(tmp_path):
+    """A record, whole and checksummed, whose tokens are not the ones its key was made of
+    (another token, or another parent): refused, whatever its bytes."""
+    prompts, slots, _, stride = written(tmp_path)
+    path = level_file(tmp_path)
+    label_at = _RECORD.size + 4  # (one pool)
+    for key, offset in ((chain_keys(prompts[6])[3], _LABEL.size), (chain_keys(prompts[7])[3], 45)):
+        at = HEADER_BYTES + slots[key] * stride
+        record = bytearray(path.read_bytes()[at:][:stride])
+        record[label_at + offset] ^= 1  # a token's byte, or the parent key's
+        used = _RECORD.unpack_from(record)[2]
+        record[8:12] = zlib.crc32(bytes(record[12:used])).to_bytes(4, "little")
+        patch(path, at, bytes(record))
+    m = KVCacheManager(config(tmp_path))
+    assert m.disk_recovery.discarded == {"inconsistent label": 2}
+    assert check_disk_bytes(m) == len(slots) - 2
+    shutdown(m)
+
+
+def test_a_block_without_its_full_attention_page_is_not_recovered(tmp_path):
+    """Hybrid model: a block whose full-attention page fails its check is gone with everything
+    below it, even though its window page is whole."""
+    m = KVCacheManager(config(tmp_path, layers=HYBRID))
+    prompts = [prompt(n) for n in range(40)]
+    for tokens in prompts:
+        run(m, tokens)
+    pages = disk_pages(m)
+    victim = next(
+        key
+        for tokens in prompts
+        for key in chain_keys(tokens)[1:3]
+        if (key, 0) in pages and (key, 1) in pages
+    )
+    slot = pages[victim, 0].slot_id
+    before = set(pages)
+    _, stride = stride_of(m)
+    record = stride_of(m)[0]
+    shutdown(m)
+    patch(level_file(tmp_path), HEADER_BYTES + slot * stride + record + 7, b"\x99")
+    m = KVCacheManager(config(tmp_path, layers=HYBRID))
+    found = m.disk_recovery
+    assert found.discarded["checksum mismatch"] == 1 and found.discarded["unreachable"] >= 1
+    assert victim not in m._tree.index
+    assert (victim, 1) in before and not any(key == victim for key, _ in disk_pages(m))
+    assert check_disk_bytes(m) == found.pages
     shutdown(m)
 
 
