@@ -28,7 +28,7 @@ PYTHON_BACKEND_TESTS=(
   tests/test_forking.py tests/test_kv_events.py tests/test_eviction.py tests/test_policies.py
   tests/test_radix.py tests/test_ssm.py tests/test_bad_input.py tests/test_reliability.py
   tests/test_fault_matrix.py tests/test_batching.py tests/test_remote.py tests/test_backends.py
-  tests/test_page_list.py tests/test_lookahead.py
+  tests/test_page_list.py tests/test_lookahead.py tests/test_persistent_disk.py
 )
 status=0
 python3 -m pytest "$@" || status=$?
