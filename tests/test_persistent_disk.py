@@ -540,6 +540,22 @@ def test_a_block_without_its_full_attention_page_is_not_recovered(tmp_path):
     shutdown(m)
 
 
+def test_a_look_ahead_reads_the_pages_where_they_are_in_the_file(tmp_path):
+    prompts, slots, record, stride = written(tmp_path)
+    m = KVCacheManager(config(tmp_path))
+    tokens = prompts[4]
+    lookahead = m.look_ahead(None, tokens[:-1])
+    keys = chain_keys(tokens)
+    assert [(r.offset, r.nbytes) for r in lookahead.disk] == [
+        (HEADER_BYTES + slots[key] * stride + record, stride - record) for key in keys
+    ]
+    assert lookahead.wait(10) and lookahead.read_ahead_bytes == 4 * (stride - record)
+    cache = m.create_kv_cache(None, tokens[:-1], lookahead=lookahead)
+    assert cache.resume() and check_active(m, cache, tokens) == 4 * 3  # (k, v of 2 layers)
+    cache.close()
+    shutdown(m)
+
+
 # -- crashes ------------------------------------------------------------------------------------
 
 WRITER = """

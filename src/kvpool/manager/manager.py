@@ -187,7 +187,8 @@ class KVCacheManager(Rebalancing):
                 group = self._levels[page.level].pool_groups[page.pool_group]
                 for memory, size in zip(group.memories, group.slot_sizes, strict=True):
                     if isinstance(memory, DiskMemory):
-                        ranges.append(DiskRange(memory.fileno, page.slot.slot_id * size, size))
+                        at = memory.file_offset(page.slot.slot_id * size)
+                        ranges.append(DiskRange(memory.fileno, at, size))
         return ranges
 
     def _check_lookahead(self, lookahead: object, scope_key: bytes, tokens: list[Token]) -> None:

@@ -261,6 +261,10 @@ class DiskMemory(Memory):
     def fileno(self) -> int:
         return self._fd
 
+    def file_offset(self, offset: int) -> int:
+        """Where byte `offset` of this memory lies in its file (`fileno`)."""
+        return offset
+
     def _create_file(self) -> int:
         """An unlinked file in the directory (`StorageError` naming it when that fails)."""
         try:

@@ -470,6 +470,10 @@ class SlotFileMemory(DiskMemory):
         self._file.resize(slots)
         self._size = new_size
 
+    def file_offset(self, offset: int) -> int:
+        slot, within = divmod(offset, self._slot_size)
+        return self._file.payload_offset(slot, self._pool) + within
+
     def _vector_io(self, op: str, offset: int, buffers: Sequence[Bytes]) -> None:
         self._require_open()
         views = [buffer.data.cast("B") for buffer in buffers]
