@@ -10,6 +10,7 @@ without knowing which requests wrote it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -38,6 +39,9 @@ from kvpool.lifecycles import SsmLifeCycle
 from kvpool.storage.persistent import _RECORD, HEADER_BYTES, RECORD_MAGIC, file_name
 from kvpool.tiers.persistence import _LABEL
 from kvpool.tokens import block_key_of_encoded, encode_tokens, root_key
+from tests import test_fault_matrix as fault_matrix
+from tests.engine_check import CheckingEngine, token_value
+from tests.faults import DiskFaults
 from tests.helpers import MiB, make_config, record_layer, shutdown, ssm_layer
 
 TPB = 16
@@ -556,6 +560,47 @@ def test_a_look_ahead_reads_the_pages_where_they_are_in_the_file(tmp_path):
     shutdown(m)
 
 
+def test_pages_fetched_from_the_remote_tier_into_the_disk_level_are_recorded(tmp_path):
+    from kvpool import RemoteCacheTierConfig
+    from tests.valkey_servers import ValkeyServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("no valkey-server binary")
+    server = ValkeyServer(tmp_path / "valkey").start()
+    remote = RemoteCacheTierConfig(server.url, timeout_ms=2000)
+    directory = tmp_path / "disk"
+    directory.mkdir()
+    try:
+        writer = KVCacheManager(
+            make_config(LAYERS, [GpuCacheTierConfig(2 * MiB)], TPB, remote_tier=remote)
+        )
+        prompts = [prompt(n) for n in range(3)]
+        for tokens in prompts:
+            cache = writer.create_kv_cache(None, tokens[:-1])
+            assert cache.resume() and cache.resize(len(tokens))
+            fill(writer, cache, tokens)
+            assert writer.write_remote(cache) == 4
+            cache.close()
+        assert writer.flush_remote_writes()
+        shutdown(writer)
+
+        m = KVCacheManager(config(directory, remote_tier=remote))
+        level = m.num_levels - 1
+        for tokens in prompts:
+            cache = m.create_kv_cache(None, tokens[:-1])
+            assert cache.pending_remote_tokens == 3 * TPB  # (the remote part: 3 whole blocks)
+            assert cache.prefetch(level)  # fetched into pages at the disk level
+            cache.close()
+        assert len(disk_pages(m)) == 9 and m._persist.written == 9  # (the path)
+        shutdown(m)
+    finally:
+        server.stop()
+    m = KVCacheManager(config(directory))  # no remote tier now: the disk level has them
+    assert m.disk_recovery.pages == 9 and check_disk_bytes(m) == 9
+    assert [m.probe_reuse(None, tokens) for tokens in prompts] == [3 * TPB] * 3
+    shutdown(m)
+
+
 # -- crashes ------------------------------------------------------------------------------------
 
 WRITER = """
@@ -643,6 +688,80 @@ def test_a_killed_writer_of_a_hybrid_model_leaves_only_true_blocks(tmp_path):
     assert check_disk_bytes(m) == found.pages
     for block in m._tree.index.values():
         assert block.pages[0] is not None  # every block kept has its full-attention page
+    shutdown(m)
+
+
+# -- I/O errors and interrupts ----------------------------------------------------------------
+
+
+def check_engine_records(manager):
+    """Every tree page on the disk level holds the data-verifying engine's records of its
+    block's tokens at their positions (`tests.engine_check`); returns how many pages."""
+    engine = CheckingEngine(manager)
+    storage = manager.level_storage(manager.num_levels - 1)
+    pages = disk_pages(manager)
+    for (_, group), page in pages.items():
+        block = page.block
+        positions = block.ordinal * TPB + np.arange(block.num_tokens)
+        values = [token_value(token) for token in block.tokens]
+        pool_group = storage.pool_groups[page.pool_group]
+        for placement, role_index, ssm in engine.buffers:
+            if ssm or placement.layer_group != group:
+                continue
+            at = page.slot_id * pool_group.slot_sizes[placement.pool] + placement.offset
+            got = pool_group.memories[placement.pool].read(at, placement.size)
+            records = got.view(np.int32).reshape(TPB, -1, 4)[: block.num_tokens]
+            expected = np.stack(
+                [
+                    values,
+                    positions,
+                    np.full_like(positions, placement.layer_id),
+                    np.full_like(positions, role_index),
+                ],
+                axis=1,
+            )
+            assert (records == expected[:, None, :]).all(), (block, placement)
+    return len(pages)
+
+
+WRITE_FAULTS = [case for case in fault_matrix.CASES if case[1] != "preadv"]
+
+
+@pytest.mark.parametrize("skip", [0, 2])
+@pytest.mark.parametrize("code", ["EIO", "interrupt"])
+@pytest.mark.parametrize(
+    ("operation", "call", "scenario"), WRITE_FAULTS, ids=[f"{o}-{c}" for o, c, _ in WRITE_FAULTS]
+)
+def test_a_failed_write_leaves_only_true_records(
+    tmp_path, monkeypatch, operation, call, scenario, code, skip
+):
+    """The fault matrix's write and grow faults (an I/O error, Ctrl-C; at the first call or
+    the third: a record's invalidation, a slot's bytes, a record) on a persistent level: the
+    manager stays consistent, and what a restart finds is true."""
+    monkeypatch.setattr(
+        fault_matrix,
+        "DiskCacheTierConfig",
+        lambda quota, path: DiskCacheTierConfig(quota, path, persistent_id=ID),
+    )
+    s = scenario(tmp_path)
+    m = s.manager
+    try:
+        faults = DiskFaults(m).install(monkeypatch)
+        if code == "interrupt":  # (Ctrl-C reaches the main thread: copy there)
+            monkeypatch.setattr(m._storage.state.copier, "_inline_bytes", 1 << 62)
+        faults.fail(call, fault_matrix.CODES[code], skip=skip)
+        with contextlib.suppress(StorageError, KeyboardInterrupt):
+            s.action()
+        assert skip or faults.injected[call] == 1, f"{operation} never reached {call}"
+        faults.disarm()
+        m.check_invariants()
+        for cache, tokens in s.requests:
+            s.engine.check_anywhere(cache, tokens)
+        assert check_engine_records(m) == len(disk_pages(m))
+    finally:
+        shutdown(m)
+    m = KVCacheManager(m.config)  # (a chain whose head was on an upper level is unreachable)
+    assert check_engine_records(m) == m.disk_recovery.pages
     shutdown(m)
 
 

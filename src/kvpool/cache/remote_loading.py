@@ -72,15 +72,15 @@ class RemoteLoading:
                     block.pages[g] is None
                 ):  # (else another request committed it meanwhile: keep that)
                     tree.attach(block, page)
-            persist = self._ctx.state.persist
-            if persist is not None:  # (pages written to a persistent disk level: records)
-                persist.stored([page for _, _, page in fetched])
             remote.note_hit(count)
         tokens = prefix.tokens[: end * request._tpb]
         self.forget(request)
         self._readopt(request, tokens)
         for _, _, page in fetched:
             owners.settle(page)  # held now, or freed when unused
+        persist = self._ctx.state.persist
+        if persist is not None:  # (pages written to a persistent disk level: records)
+            persist.stored([page for _, _, page in fetched])
         return True
 
     def _new_pages_at_or_below(self, level: int, pool_group: int, g: int, count: int) -> list[Page]:

@@ -125,14 +125,14 @@ class Migration:
             else:
                 self._owners.settle(page)
         self._state.queues[level][pool_group].push_all(evictable)
-        persist = self._state.persist
-        if persist is not None and level == persist.level:
-            persist.stored(batch)  # (their bytes are written: the committed ones get records)
         if source_level != level:
             if self._state.kv_events is not None:
                 self._state.kv_events.moved(batch, source_level, level)
             self._state.num_moved[level] += len(batch)
             self._state.bytes_moved[level] += len(batch) * sum(source_group.slot_sizes)
+        persist = self._state.persist
+        if persist is not None and level == persist.level:  # (last: the batch has moved)
+            persist.stored(batch)  # (their bytes are written: the committed ones get records)
 
     def read_page(self, page: Page) -> bytes:
         """A copy of the page's bytes, pool by pool (`StorageError` if a disk read fails)."""
