@@ -1,0 +1,218 @@
+"""vLLM's OpenAI-compatible server with kvpool's connector, started as a user starts it, asked
+over plain HTTP, and stopped the ways servers stop: SIGTERM (systemd, Kubernetes), SIGINT
+(Ctrl-C), SIGKILL of the server, of its engine core and of its worker. After each, no kvpool
+file is in /dev/shm, no process of the server is left (after SIGKILL of the server itself,
+once its orphans are ended) and nothing holds kvpool's host memory (its memfds, found by inode
+in every process's descriptors and mappings)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM (scripts/test.sh runs this in its vLLM venv)")
+psutil = pytest.importorskip("psutil")
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.slow
+MEMFD = "memfd:kvpool-pool-"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    directory = tmp_path_factory.mktemp("server-model")
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return str(directory)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """`python -m vllm.entrypoints.openai.api_server` with kvpool's connector."""
+
+    def __init__(self, model: str, extra: dict, log: Path) -> None:
+        self.model = model
+        self.port = free_port()
+        transfer = {
+            "kv_connector": "KVPoolConnector",
+            "kv_connector_module_path": "kvpool.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--port", str(self.port), "--host", "127.0.0.1",
+            "--skip-tokenizer-init", "--block-size", "32", "--enforce-eager",
+            "--dtype", "float32", "--max-model-len", "1024",
+            "--num-gpu-blocks-override", "48", "--kv-transfer-config", json.dumps(transfer),
+        ]  # fmt: skip
+        self.log = log
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.process = subprocess.Popen(
+            command,
+            stdout=open(log, "w"),  # noqa: SIM115 (the child keeps it)
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def wait_healthy(self, timeout: float = 400) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(self.url("/health"), timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise AssertionError("the server did not become healthy:\n" + self.log.read_text()[-4000:])
+
+    def complete(self, prompt: list[int], max_tokens: int = 4) -> list[int]:
+        body = json.dumps(
+            {
+                "model": self.model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "return_token_ids": True,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            self.url("/v1/completions"), body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return list(json.loads(answer.read())["choices"][0]["token_ids"])
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url("/metrics"), timeout=10) as answer:
+            return answer.read().decode()
+
+    def tree(self) -> list:
+        root = psutil.Process(self.process.pid)
+        return [root, *root.children(recursive=True)]
+
+
+def memfd_holders(inodes: set[int]) -> list[str]:
+    """Every process that holds (open or mapped) a file with one of `inodes` of kvpool's."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                if MEMFD in os.readlink(fd) and os.stat(fd).st_ino in inodes:
+                    found.append(f"{proc.name} fd {fd.name}")
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split()
+                if len(fields) >= 6 and MEMFD in line and int(fields[4]) in inodes:
+                    found.append(f"{proc.name} maps {fields[5]}")
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def kvpool_memory(server: Server) -> tuple[int, set[int], list[int]]:
+    """(the engine core's pid, the inodes of kvpool's memfds, the pids that map them)."""
+    core, inodes, mappers = None, set(), []
+    for process in server.tree():
+        proc = Path("/proc") / str(process.pid)
+        try:
+            for fd in (proc / "fd").iterdir():
+                if MEMFD in os.readlink(fd):
+                    core = process.pid
+                    inodes.add(os.stat(fd).st_ino)
+        except OSError:
+            continue
+    for process in server.tree():
+        if process.pid != core:
+            maps = (Path("/proc") / str(process.pid) / "maps").read_text()
+            if MEMFD in maps:
+                mappers.append(process.pid)
+    assert core is not None and inodes, "kvpool's host memory was not found in the server"
+    return core, inodes, mappers
+
+
+CASES = ["sigterm", "sigint", "kill-server", "kill-engine-core", "kill-worker"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_server_leaves_no_memory_and_no_file_however_it_stops(model, tmp_path, case):
+    before = {p for p in os.listdir("/dev/shm") if "kvpool" in p}
+    server = Server(model, {"host_bytes": 64 << 20}, tmp_path / "server.log")
+    tree = [psutil.Process(server.process.pid)]
+    try:
+        server.wait_healthy()
+        prompt = [(7 * j + 3) % 2000 for j in range(300)]
+        first = server.complete(prompt)
+        deadline = time.monotonic() + 60
+        while True:  # the worker maps kvpool's memory when it saves the first request's blocks
+            second = server.complete(prompt)
+            core, inodes, mappers = kvpool_memory(server)
+            if mappers or time.monotonic() > deadline:
+                break
+        assert second == first and mappers, "no worker mapped kvpool's memory"
+        assert "kvpool:saved_blocks_total{" in server.metrics()
+        tree = server.tree()
+        if case == "sigterm":
+            server.process.send_signal(signal.SIGTERM)
+        elif case == "sigint":
+            server.process.send_signal(signal.SIGINT)
+        elif case == "kill-server":
+            server.process.kill()
+        elif case == "kill-engine-core":
+            os.kill(core, signal.SIGKILL)
+        else:
+            os.kill(mappers[0], signal.SIGKILL)
+        if case == "kill-server":
+            # vLLM's engine core does not watch its API server: killed with SIGKILL, the
+            # server leaves its engine core and worker running (orphans, which hold their
+            # memory, kvpool's with the rest, as any process does), never a file: once a
+            # supervisor ends them, nothing is left.
+            server.process.wait(30)
+            assert {p for p in os.listdir("/dev/shm") if "kvpool" in p} <= before
+            pids = {process.pid for process in tree}
+            holders = {int(h.split()[0]) for h in memfd_holders(inodes)}
+            assert holders <= pids, f"kvpool's memory held outside the server: {holders - pids}"
+            for process in tree[1:]:
+                process.kill()
+        else:
+            server.process.wait(120)  # (the server exits by itself)
+        _, alive = psutil.wait_procs(tree, timeout=120)
+        assert not alive, f"left running after {case}: {alive}"
+        assert memfd_holders(inodes) == []
+        assert {p for p in os.listdir("/dev/shm") if "kvpool" in p} <= before
+    finally:
+        for process in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        server.process.wait(60)
