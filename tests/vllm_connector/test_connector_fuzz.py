@@ -1,9 +1,16 @@
 """The connector's scheduler and worker sides driven the way vLLM's scheduler drives them, by
-random request streams: arrivals sharing prefixes, lookups, allocations, asynchronous loads,
-finishes (saves), aborts while a load is in flight, preemptions, and injected copy failures on
-the worker. A small simulated vLLM holds real KV tensors whose every block is a function of
-the tokens before it, so a load that delivered wrong KV is caught on the spot. kvpool's first
-level is small and backed by a disk level, so pages are evicted and brought back throughout.
+random request streams: arrivals sharing prefixes (and repeating earlier prompts), lookups,
+allocations, asynchronous loads, prefills and decode steps, finishes (saves), aborts while a
+load is in flight, preemptions, and injected copy failures on the worker.
+
+The simulated vLLM has KV-cache groups with vLLM's hybrid allocator's semantics: one block
+pool (block 0 is the null block), a block table per group; a sliding-window group frees the
+blocks wholly out of its window as the request computes (their entries become the null block)
+and allocates a hit's blocks only from the window's start; a freed block is reused at once and
+filled with garbage, as a reallocated block would be. Its KV tensors hold, in every block of
+every layer, a function of the tokens before the block's end, the reuse scope, the group and
+the layer, so a load that delivered wrong KV into any group is caught on the spot. kvpool's
+first level is small and backed by a disk level, so pages are evicted and brought back.
 """
 
 from __future__ import annotations
@@ -18,20 +25,39 @@ pytest.importorskip("vllm", reason="needs vLLM (scripts/test.sh runs this in its
 torch = pytest.importorskip("torch")
 
 from kvpool.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
-from kvpool.integrations.vllm.settings import ConnectorSettings, PageFormat  # noqa: E402
+from kvpool.integrations.vllm.settings import (  # noqa: E402
+    ConnectorSettings,
+    GroupFormat,
+    PageFormat,
+)
 from kvpool.integrations.vllm.worker import WorkerSide, block_view  # noqa: E402
 from kvpool.layout import KVLayout  # noqa: E402
 
 BLOCK = 16
-PAGE = PageFormat(("l0", "l1"), BLOCK, 2, 64, 4, 0, 1)  # 32 KiB per block: 64 per 2 MiB
-NUM_BLOCKS = 96  # vLLM's pool
+NUM_BLOCKS = 160  # vLLM's pool, all groups together (block 0: the null block)
+NULL = 0
+GARBAGE = -7.0  # what a reallocated block holds until it is computed
 
 
-def block_value(request: Request, block: int) -> float:
-    """What the simulated model writes into block `block`: a function of its whole prefix and
-    its reuse scope (a hit across salts would load another value)."""
-    prefix = tuple(request.all_token_ids[: (block + 1) * BLOCK])
-    return float(hash((request.cache_salt, prefix)) % 1_000_003)
+def layouts() -> dict[str, PageFormat]:
+    """One full-attention group of two layers (vLLM without its hybrid allocator); and the
+    hybrid allocator's groups of a Gemma-3-style model: one full-attention group, two
+    sliding-window groups of one spec (which share a kvpool layer group), with a window that
+    is a multiple of the block size and one that is not."""
+
+    def group(names, window=None):
+        return GroupFormat(tuple(names), 2, 64, 4, window)  # 8 KiB buffers
+
+    hybrid = {
+        f"hybrid-window-{w}": PageFormat(
+            (group(["f0"]), group(["s0"], w), group(["s1"], w)), BLOCK, 0, 1
+        )
+        for w in (32, 40)
+    }
+    return {"full": PageFormat((group(["l0", "l1"]),), BLOCK, 0, 1), **hybrid}
+
+
+LAYOUTS = layouts()
 
 
 @dataclass
@@ -43,94 +69,171 @@ class Request:
     lora_request: None = None
     mm_features: list[object] = field(default_factory=list)
     prompt_embeds: None = None
-    block_ids: list[int] = field(default_factory=list)
-    state: str = "waiting"  # waiting, loading, running, saving
+    num_prompt_tokens: int = 0
+    tables: list[list[int]] = field(default_factory=list)  # per group; NULL: freed
+    state: str = "waiting"  # waiting, loading, prefill, decode, saving
+    outputs_left: int = 0
+    hit: int = 0  # tokens the last load served
+    repeat: bool = False  # its prompt repeats an earlier one's
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.all_token_ids)
 
 
 class Blocks:
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = ids
+    def __init__(self, tables: list[list[int]]) -> None:
+        self.tables = tables
 
-    def get_block_ids(self) -> tuple[list[int]]:
-        return (self.ids,)
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple(list(ids) for ids in self.tables)
 
 
 class Simulation:
-    def __init__(self, seed: int, tmp_path, fail_rate: float = 0.1) -> None:
+    def __init__(self, seed: int, tmp_path, layout: str = "hybrid-window-32", fail_rate=0.1):
         self.rng = random.Random(seed)
+        self.page = page = LAYOUTS[layout]
         (tmp_path / "disk").mkdir(parents=True, exist_ok=True)
+        host = (2 << 20) * (1 + page.windowed)  # (2 MiB a kvpool pool group: its granularity)
         settings = ConnectorSettings.parse(
-            {
-                "host_bytes": 2 << 20,
-                "disk_bytes": 4 << 20,
-                "disk_path": str(tmp_path / "disk"),
-            }
+            {"host_bytes": host, "disk_bytes": 2 * host, "disk_path": str(tmp_path / "disk")}
         )
-        self.scheduler = SchedulerSide(settings, PAGE, "fuzz-model")
+        self.scheduler = SchedulerSide(settings, page, "fuzz-model")
         self.scheduler.manager.record_decisions()
-        config = PAGE.manager_config(settings, "fuzz-model")
-        self.worker = WorkerSide(PAGE, NUM_BLOCKS, KVLayout(config.layers, BLOCK))
-        shape = (NUM_BLOCKS, 2, PAGE.local_heads, BLOCK, PAGE.head_size)
-        self.kv = {name: torch.zeros(shape) for name in PAGE.layer_names}
+        config = page.manager_config(settings, "fuzz-model")
+        self.worker = WorkerSide(page, NUM_BLOCKS, KVLayout(config.layers, BLOCK))
+        shape = (NUM_BLOCKS, 2, 2, BLOCK, 64)
+        self.kv = {n: torch.zeros(shape) for g in page.groups for n in g.layer_names}
         self.worker.register_kv_caches(self.kv)
-        self.free = list(range(NUM_BLOCKS))
+        self.windows = [g.window for g in page.groups]
+        self.free = list(range(1, NUM_BLOCKS))
         self.requests: dict[str, Request] = {}
         self.documents = [[self.rng.randrange(5000) for _ in range(BLOCK * 12)] for _ in range(4)]
+        self.prompts: list[tuple[list[int], str | None]] = []  # earlier prompts, to repeat
         self.fail_rate = fail_rate
         self.next_id = 0
-        self.loaded_blocks = 0
         self.failed_loads = 0
-        self.verified_blocks = 0
+        self.verified_blocks = 0  # (group, block) pairs checked after a load
+        self.stores = 0  # prompt-end stores handed to the workers
+        self.repeat_hits = 0  # loads of a repeated prompt that served its whole blocks
 
-    # -- the simulated engine ------------------------------------------------------------
-    def compute(self, request: Request, start: int) -> None:
-        for block in range(start // BLOCK, len(request.block_ids)):
-            value = block_value(request, block)
-            for tensor in self.kv.values():
-                tensor[request.block_ids[block]] = value
-        request.num_computed_tokens = len(request.all_token_ids) - 1
+    # -- the simulated vLLM ----------------------------------------------------------------
+    def value(self, request: Request, group: int, layer: int, block: int) -> float:
+        """What the model writes into a block: a function of the tokens up to the block's end,
+        the scope, the group and the layer (a hit across any of them loads another value)."""
+        prefix = tuple(request.all_token_ids[: (block + 1) * BLOCK])
+        return float(hash((request.cache_salt, group, layer, prefix)) % 1_000_003)
 
-    def verify(self, request: Request, start: int, end: int) -> None:
-        for block in range(start // BLOCK, end // BLOCK):
-            expected = block_value(request, block)
+    def skipped_blocks(self, group: int, num_computed: int) -> int:
+        """vLLM's SlidingWindowManager: blocks wholly before the window of the next token."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, num_computed - window + 1) // BLOCK
+
+    def remove_skipped(self, request: Request, num_computed: int) -> None:
+        for g, table in enumerate(request.tables):
+            for i in range(min(self.skipped_blocks(g, num_computed), len(table))):
+                if table[i] != NULL:
+                    self.free.append(table[i])
+                    table[i] = NULL
+
+    def take(self, count: int) -> list[int] | None:
+        if count > len(self.free):
+            return None
+        taken = [self.free.pop() for _ in range(count)]  # (the last freed first)
+        for block in taken:
             for tensor in self.kv.values():
-                got = tensor[request.block_ids[block]]
-                assert bool((got == expected).all()), f"wrong KV loaded for {request.request_id}"
-            self.verified_blocks += 1
+                tensor[block] = GARBAGE
+        return taken
+
+    def allocate(self, request: Request, num_tokens: int, num_computed: int) -> bool:
+        """Blocks for `num_tokens` tokens of which `num_computed` are computed (a hit): a
+        sliding window's blocks before its window are null blocks. All or nothing."""
+        wanted = []
+        for g, table in enumerate(request.tables or [[] for _ in self.windows]):
+            first = self.skipped_blocks(g, num_computed)
+            need = -(-num_tokens // BLOCK)
+            wanted.append([i for i in range(len(table), need) if i >= first])
+        blocks = self.take(sum(len(w) for w in wanted))
+        if blocks is None:
+            return False
+        if not request.tables:
+            request.tables = [[] for _ in self.windows]
+        for g, table in enumerate(request.tables):
+            need = -(-num_tokens // BLOCK)
+            while len(table) < need:
+                table.append(blocks.pop() if len(table) in wanted[g] else NULL)
+        return True
 
     def release(self, request: Request) -> None:
-        self.free += request.block_ids
-        request.block_ids = []
+        for table in request.tables:
+            self.free += [b for b in table if b != NULL]
+        request.tables = []
 
-    # -- actions -------------------------------------------------------------------------
+    def compute(self, request: Request, start: int, end: int) -> None:
+        """The forward pass: positions [start, end) of every group's layers."""
+        for g, group in enumerate(self.page.groups):
+            for block in range(start // BLOCK, -(-end // BLOCK)):
+                block_id = request.tables[g][block]
+                assert block_id != NULL, "a computed position's block was freed"
+                for layer, name in enumerate(group.layer_names):
+                    self.kv[name][block_id] = self.value(request, g, layer, block)
+
+    def verify(self, request: Request, end: int) -> None:
+        """After a load of `end` tokens: every block vLLM holds for them, in every group."""
+        for g, group in enumerate(self.page.groups):
+            table = request.tables[g]
+            held = [i for i in range(end // BLOCK) if table[i] != NULL]
+            # (vLLM allocated a window's hit blocks only from the window's start)
+            assert held == list(range(self.skipped_blocks(g, end), end // BLOCK))
+            for block in held:
+                for layer, name in enumerate(group.layer_names):
+                    got = self.kv[name][table[block]]
+                    expected = self.value(request, g, layer, block)
+                    assert bool((got == expected).all()), (
+                        f"wrong KV loaded for {request.request_id}: group {g}, block {block}"
+                    )
+                self.verified_blocks += 1
+
+    def block_ids_for_computed(self, request: Request) -> tuple[list[int], ...]:
+        """What vLLM hands `request_finished_all_groups`: out-of-window blocks freed first."""
+        self.remove_skipped(request, request.num_computed_tokens)
+        count = -(-request.num_computed_tokens // BLOCK)
+        return tuple(list(table[:count]) for table in request.tables)
+
+    def no_blocks(self) -> tuple[list[int], ...]:
+        return tuple([] for _ in self.windows)
+
+    # -- actions ---------------------------------------------------------------------------
     def arrive(self) -> None:
-        document = self.rng.choice(self.documents)
-        cut = self.rng.randrange(BLOCK, len(document))
-        tokens = document[:cut] + [self.rng.randrange(5000) for _ in range(self.rng.randrange(20))]
-        salt = self.rng.choice([None, None, "tenant-b"])
-        request = Request(f"r{self.next_id}", tokens, salt)
+        if self.prompts and self.rng.random() < 0.2:
+            tokens, salt = self.rng.choice(self.prompts)
+            repeat = True
+        else:
+            document = self.rng.choice(self.documents)
+            cut = self.rng.randrange(BLOCK, len(document))
+            extra = [self.rng.randrange(5000) for _ in range(self.rng.randrange(20))]
+            tokens, salt, repeat = document[:cut] + extra, self.rng.choice([None, None, "b"]), False
+            self.prompts.append((tokens, salt))
+        request = Request(f"r{self.next_id}", list(tokens), salt, repeat=repeat)
+        request.outputs_left = self.rng.randrange(1, 6 * BLOCK)
         self.next_id += 1
         self.requests[request.request_id] = request
 
     def schedule(self, request: Request) -> None:
+        """A waiting request: the connector's lookup, then its blocks (vLLM's allocate_slots)."""
         matched, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
         assert matched is not None and matched % BLOCK == 0
         assert matched < len(request.all_token_ids)
         assert is_async == (matched > 0)
-        needed = -(-len(request.all_token_ids) // BLOCK)
-        if needed > len(self.free):
+        if not self.allocate(request, len(request.all_token_ids), matched):
             return  # stays waiting: asked again later (its kvpool pages stay held)
-        request.block_ids = [self.free.pop() for _ in range(needed)]
-        self.scheduler.update_state_after_alloc(request, Blocks(request.block_ids), matched)
-        if matched:
-            request.state = "loading"
-            request.num_computed_tokens = matched
-        else:
-            self.compute(request, 0)
-            request.state = "running"
+        self.scheduler.update_state_after_alloc(request, Blocks(request.tables), matched)
+        request.num_computed_tokens = matched
+        request.hit = matched
+        request.state = "loading" if matched else "prefill"
 
     def finish(self, request: Request) -> None:
-        delay, _ = self.scheduler.request_finished(request, list(request.block_ids))
+        block_ids = self.block_ids_for_computed(request)
+        delay, _ = self.scheduler.request_finished(request, block_ids)
         if delay:
             request.state = "saving"
         else:
@@ -138,9 +241,27 @@ class Simulation:
             del self.requests[request.request_id]
 
     def step(self) -> None:
-        meta = self.scheduler.build_connector_meta(None)
+        """One engine step: scheduling (a window frees what left it; a decode may need a
+        block), the connector's metadata, the worker's copies before the forward pass, the
+        forward pass, the stores after it, and the outputs back to the scheduler side."""
+        scheduled: dict[str, int] = {}
+        for request in self.requests.values():
+            if request.state not in ("prefill", "decode"):
+                continue
+            self.remove_skipped(request, request.num_computed_tokens)
+            end = len(request.all_token_ids)
+            if not self.allocate(request, end, request.num_computed_tokens):
+                continue  # (no room this step: it waits)
+            scheduled[request.request_id] = end - request.num_computed_tokens
+        output = SimpleNamespace(num_scheduled_tokens=scheduled)
+        meta = self.scheduler.build_connector_meta(
+            output, lambda rid: Blocks(self.requests[rid].tables).get_block_ids()
+        )
+        self.stores += len(meta.stores)
         failing = {
-            t.request_id for t in meta.loads + meta.saves if self.rng.random() < self.fail_rate
+            t.request_id
+            for t in meta.loads + meta.saves + meta.stores
+            if self.rng.random() < self.fail_rate
         }
         original = self.worker._copy
 
@@ -152,62 +273,88 @@ class Simulation:
         self.worker._copy = copy  # (a plain Python class: the worker is not compiled)
         try:
             self.worker.start_load_kv(meta)
+            for request_id, count in scheduled.items():
+                request = self.requests[request_id]
+                start = request.num_computed_tokens
+                self.compute(request, start, start + count)
+            self.worker.wait_for_save(meta)
         finally:
             self.worker._copy = original
+        for request_id, count in scheduled.items():  # (each sampled one token)
+            request = self.requests[request_id]
+            request.num_computed_tokens += count
+            request.all_token_ids.append(self.rng.randrange(5000))
+            request.state = "decode"
+            request.outputs_left -= 1
         sending, recving = self.worker.get_finished()
         errors = self.worker.take_load_errors()
-        output = SimpleNamespace(
+        failed_recving = self.worker.take_failed_loads()
+        assert not (errors and len(self.windows) > 1), "block ids are per group: no load errors"
+        result = SimpleNamespace(
             finished_sending=sending,
             finished_recving=recving,
             kv_connector_worker_meta=self.worker.build_worker_meta(),
             invalid_block_ids=errors,
         )
-        self.scheduler.update_connector_output(output)
+        self.scheduler.update_connector_output(result)
         for request_id in recving or ():
-            request = self.requests[request_id]
-            if request.state == "aborted while loading":
-                self.release(request)
-                del self.requests[request_id]
-                continue
-            assert request.state == "loading"
-            failed = errors & set(request.block_ids)
-            if failed:
-                self.failed_loads += 1
-                self.compute(request, 0)  # vLLM recomputes
-            else:
-                self.loaded_blocks += request.num_computed_tokens // BLOCK
-                self.verify(request, 0, request.num_computed_tokens)
-                self.compute(request, request.num_computed_tokens)
-            request.state = "running"
+            self.finish_load(self.requests[request_id], errors, failed_recving)
         for request_id in sending or ():
             request = self.requests.pop(request_id)
             self.release(request)
+
+    def finish_load(self, request: Request, errors: set[int], failed: set[str]) -> None:
+        if request.state == "aborted while loading":
+            self.release(request)
+            del self.requests[request.request_id]
+            return
+        assert request.state == "loading"
+        if request.request_id in failed or errors & {b for t in request.tables for b in t}:
+            self.failed_loads += 1  # vLLM recomputes: from scratch, its blocks released
+            self.release(request)
+            request.state, request.num_computed_tokens = "waiting", 0
+            return
+        self.verify(request, request.hit)
+        end = (request.num_prompt_tokens - 1) // BLOCK * BLOCK
+        if request.repeat and request.hit == end:
+            self.repeat_hits += 1
+        # (vLLM schedules it again: a new allocation call, no external tokens)
+        self.scheduler.update_state_after_alloc(request, Blocks(request.tables), 0)
+        request.state = "prefill"
 
     def run(self, operations: int) -> None:
         for _ in range(operations):
             roll = self.rng.random()
             requests = list(self.requests.values())
             waiting = [r for r in requests if r.state == "waiting"]
-            running = [r for r in requests if r.state == "running"]
+            running = [r for r in requests if r.state in ("prefill", "decode")]
+            decoded = [r for r in running if r.state == "decode" and r.outputs_left <= 0]
             loading = [r for r in requests if r.state == "loading"]
-            if roll < 0.25 or not requests:
+            if roll < 0.15 or not requests:
                 self.arrive()
-            elif roll < 0.5 and waiting:
+            elif roll < 0.3 and waiting:
                 self.schedule(self.rng.choice(waiting))
-            elif roll < 0.7 and running:
-                self.finish(self.rng.choice(running))
-            elif roll < 0.75 and loading:  # aborted while its load is in flight: vLLM keeps
+            elif roll < 0.4 and decoded:
+                self.finish(self.rng.choice(decoded))
+            elif roll < 0.41 and running:  # finished early (a stop token)
+                request = self.rng.choice([r for r in running if r.state == "decode"] or running)
+                if request.state == "decode":
+                    self.finish(request)
+            elif roll < 0.44 and loading:  # aborted while its load is in flight: vLLM keeps
                 request = self.rng.choice(loading)  # its blocks until the load is reported
-                delay, _ = self.scheduler.request_finished(request, list(request.block_ids))
+                delay, _ = self.scheduler.request_finished(
+                    request, Blocks(request.tables).get_block_ids()
+                )
                 assert not delay  # (nothing to save: its blocks may not hold their KV yet)
                 request.state = "aborted while loading"
-            elif roll < 0.8 and running:  # preempted: blocks freed, back to waiting
+            elif roll < 0.47 and running:  # preempted: blocks freed, back to waiting
                 request = self.rng.choice(running)
                 self.release(request)
                 request.state, request.num_computed_tokens = "waiting", 0
-            elif roll < 0.85 and waiting:  # aborted before it ran
+            elif roll < 0.5 and waiting:  # aborted before it ran
                 request = self.rng.choice(waiting)
-                self.scheduler.request_finished(request, [])
+                self.scheduler.request_finished(request, self.no_blocks())
+                self.release(request)
                 del self.requests[request.request_id]
             else:
                 self.step()
@@ -216,23 +363,26 @@ class Simulation:
     def drain(self) -> None:
         for _ in range(200):
             for request in list(self.requests.values()):
-                if request.state == "running":
+                if request.state == "decode":
                     self.finish(request)
-                elif request.state == "waiting":
-                    self.scheduler.request_finished(request, [])
+                elif request.state in ("waiting", "prefill"):
+                    self.scheduler.request_finished(request, self.no_blocks())
+                    self.release(request)
                     del self.requests[request.request_id]
             self.step()
             if not self.requests:
                 break
         assert not self.requests
         assert not self.scheduler.loads and not self.scheduler.saves
+        assert not self.scheduler.stores
         assert self.scheduler.manager.num_open_kv_caches == 0
-        assert sorted(self.free) == list(range(NUM_BLOCKS))
+        assert sorted(self.free) == list(range(1, NUM_BLOCKS))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_random_streams_never_load_wrong_kv_and_leave_nothing_behind(seed, tmp_path):
-    simulation = Simulation(seed, tmp_path)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("seed", range(3))
+def test_random_streams_never_load_wrong_kv_and_leave_nothing_behind(seed, layout, tmp_path):
+    simulation = Simulation(seed, tmp_path, layout)
     simulation.run(1500)
     simulation.drain()
     counters = simulation.scheduler.counters
@@ -241,10 +391,16 @@ def test_random_streams_never_load_wrong_kv_and_leave_nothing_behind(seed, tmp_p
     assert simulation.failed_loads > 0 and counters.failed_saves > 0
     assert counters.hit_tokens_by_tier["disk"] > 0
     assert counters.saved_blocks > 50
+    if simulation.page.windowed:  # prompts' ends stored: a repeated prompt is served whole
+        assert simulation.stores > 0 and simulation.repeat_hits > 0
+    else:
+        assert simulation.stores == 0 and counters.skipped_window_saves == 0
     # (what vLLM's metrics get: the copies' bytes and the failed loads' blocks)
     counts = simulation.worker.counts
-    assert counts["bytes_loaded"] >= simulation.verified_blocks * 2 * 2 * PAGE.buffer_bytes
-    assert counts["bytes_saved"] >= counters.saved_blocks * 2 * 2 * PAGE.buffer_bytes
+    page = simulation.page
+    smallest = min(2 * len(g.layer_names) * page.buffer_bytes(i) for i, g in enumerate(page.groups))
+    assert counts["bytes_loaded"] >= simulation.verified_blocks * smallest
+    assert counts["bytes_saved"] >= counters.saved_blocks * smallest
     assert counts["load_errors"] > 0
     assert simulation.scheduler.counts()["hit_tokens_disk"] == counters.hit_tokens_by_tier["disk"]
     simulation.scheduler.shutdown()
@@ -261,9 +417,9 @@ def test_same_calls_same_decisions(tmp_path):
 
 
 def test_block_view_reads_the_cpu_layout_and_refuses_unknown_ones():
-    page = PageFormat(("l0",), 32, 2, 64, 4, 0, 1)
+    group = GroupFormat(("l0",), 2, 64, 4)
     raw = torch.arange(3 * 2 * 32 * 128, dtype=torch.float32).view(3, 2, 32, 128)
-    view = block_view(raw, 3, page)
+    view = block_view(raw, 3, group, 32)
     assert view.shape == (3, 2, 2, 32, 64)
     # K of block 1, head 0, token 5 is the first half of row 5; V the same row of the second half
     keys, values = raw.view(3, 2, 64, 64)[1, 0, :32], raw.view(3, 2, 64, 64)[1, 0, 32:]
@@ -271,7 +427,9 @@ def test_block_view_reads_the_cpu_layout_and_refuses_unknown_ones():
     view[2, 1, 1, 3] = -1.0  # a view: writes reach vLLM's tensor
     assert bool((raw.view(3, 2, 64, 64)[2, 1, 32 + 3] == -1.0).all())
     with pytest.raises(ValueError, match="does not know this KV-cache layout"):
-        block_view(torch.zeros(3, 4, 32, 128), 3, page)
+        block_view(torch.zeros(3, 4, 32, 128), 3, group, 32)
+    with pytest.raises(ValueError, match="blocks of 16 tokens"):
+        block_view(raw, 3, group, 16)
 
 
 def test_a_disk_read_error_at_lookup_is_a_miss_and_the_pages_survive(tmp_path, monkeypatch):
@@ -281,18 +439,19 @@ def test_a_disk_read_error_at_lookup_is_a_miss_and_the_pages_survive(tmp_path, m
     simulation = Simulation(3, tmp_path, fail_rate=0.0)
     scheduler = simulation.scheduler
     document = simulation.documents[0]
-    first = Request("first", document[: 10 * BLOCK] + [1])
-    simulation.requests["first"] = first
-    simulation.schedule(first)
-    simulation.finish(first)
-    simulation.step()  # saved, committed
-    # push its pages to disk: other prompts fill kvpool's first level
-    for n in range(8):
-        other = Request(f"other{n}", [50_000 + n * 1000 + i for i in range(10 * BLOCK)] + [1])
-        simulation.requests[other.request_id] = other
-        simulation.schedule(other)
-        simulation.finish(other)
-        simulation.step()
+
+    def run_one(request_id: str, tokens: list[int]) -> Request:
+        request = Request(request_id, tokens)
+        simulation.requests[request_id] = request
+        simulation.schedule(request)
+        simulation.step()  # the prefill (its prompt's end stored)
+        simulation.finish(request)
+        simulation.step()  # saved, committed
+        return request
+
+    run_one("first", document[: 10 * BLOCK] + [1])
+    for n in range(24):  # push its pages to disk: other prompts fill kvpool's first level
+        run_one(f"other{n}", [50_000 + n * 1000 + i for i in range(10 * BLOCK)] + [1])
     probe = scheduler.manager.create_kv_cache(None, document[: 10 * BLOCK])
     levels = {page.level for page in probe.pages(0) if page is not None}
     probe.close()
@@ -318,5 +477,67 @@ def test_a_disk_read_error_at_lookup_is_a_miss_and_the_pages_survive(tmp_path, m
     assert third.state == "loading" and third.num_computed_tokens == 10 * BLOCK
     before = simulation.verified_blocks
     simulation.step()
-    assert simulation.verified_blocks == before + 10  # byte for byte what "first" computed
+    # byte for byte what "first" computed: 10 full-attention blocks, and each sliding group's
+    # blocks in the window at the hit's end
+    windows = sum(10 - simulation.skipped_blocks(g, 10 * BLOCK) for g in (1, 2))
+    assert simulation.verified_blocks == before + 10 + windows
+    simulation.scheduler.shutdown()
+
+
+def decode_to(simulation: Simulation, request: Request, num_computed: int) -> None:
+    """Schedule `request` (if new) and run steps until it has computed `num_computed`."""
+    if request.request_id not in simulation.requests:
+        simulation.requests[request.request_id] = request
+        simulation.schedule(request)
+    while request.state == "loading":
+        simulation.step()
+    while request.num_computed_tokens < num_computed:
+        simulation.step()
+    assert request.num_computed_tokens == num_computed
+
+
+def test_a_prompts_window_is_stored_after_its_prefill_and_serves_the_prompt_again(tmp_path):
+    """vLLM frees a sliding window's blocks as the request decodes: at its finish the window
+    at the prompt's end is gone, so only the store after the prefill lets kvpool serve the
+    same prompt again (its whole blocks, every group verified)."""
+    simulation = Simulation(5, tmp_path, fail_rate=0.0)
+    prompt = simulation.documents[0][:100]
+    first = Request("first", list(prompt))
+    decode_to(simulation, first, 100)  # the prefill: its prompt's end (96) is stored
+    assert simulation.stores == 1
+    decode_to(simulation, first, 150)
+    assert first.tables[1][:5] == [NULL] * 5  # (the window's blocks up to the prompt's end)
+    simulation.finish(first)
+    simulation.step()
+    saved = simulation.scheduler.counters.saved_blocks
+    # the store: 6 full-attention blocks and 2 blocks of each window group; the save: the
+    # rest of the full-attention blocks (6..8) and each window's last two (7, 8)
+    assert saved == (6 + 2 + 2) + (3 + 2 + 2)
+    again = Request("again", list(prompt))
+    decode_to(simulation, again, 100)
+    assert again.hit == 96 and simulation.repeat_hits == 0  # (not marked as a repeat)
+    # and the conversation's next turn is served up to the first request's end
+    turn = Request("turn", first.all_token_ids[:150] + [7] * 20)
+    decode_to(simulation, turn, 170)
+    assert turn.hit == 144
+    simulation.scheduler.shutdown()
+
+
+@pytest.mark.parametrize("num_computed", [191, 190])
+def test_a_save_that_needs_a_window_block_vllm_freed_is_skipped(tmp_path, num_computed):
+    """At its finish vLLM has freed every block wholly before the window of the token after
+    the last computed one; kvpool's save ends at the last whole block, whose window may start
+    one block earlier (191 computed tokens: 176 saved need blocks 9 and 10, vLLM holds 10 on):
+    that save is skipped and counted, never filled from a freed block."""
+    simulation = Simulation(5, tmp_path, fail_rate=0.0)
+    request = Request("r", simulation.documents[1][:40])
+    decode_to(simulation, request, num_computed)
+    block_ids = simulation.block_ids_for_computed(request)
+    assert block_ids[1][9] == (NULL if num_computed == 191 else request.tables[1][9])
+    delay, _ = simulation.scheduler.request_finished(request, block_ids)
+    counters = simulation.scheduler.counters
+    if num_computed == 191:
+        assert not delay and counters.skipped_window_saves == 1
+    else:
+        assert delay and counters.skipped_window_saves == 0
     simulation.scheduler.shutdown()

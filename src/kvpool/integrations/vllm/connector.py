@@ -1,6 +1,7 @@
 """`KVPoolConnector`: vLLM's v1 KV-connector interface over kvpool, both roles. The scheduler
 role owns kvpool's manager (`scheduler.SchedulerSide`); the worker role copies blocks
-(`worker.WorkerSide`)."""
+(`worker.WorkerSide`). It supports vLLM's hybrid KV-cache allocator (`SupportsHMA`): one vLLM
+KV-cache group per kvpool life cycle (full attention, sliding window)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -20,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvpool.errors import ConfigError
 from kvpool.integrations.vllm.identity import vllm_model_identity
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata
 from kvpool.integrations.vllm.metrics import Deltas, KVPoolConnectorStats, KVPoolPromMetrics
@@ -40,7 +43,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpool.vllm")
 
 
-class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
+try:  # (how a worker reports failed loads of a model with several KV-cache groups)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover (a vLLM without it: one KV-cache group only)
+    KVConnectorTransferResults = None
+
+
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """kvpool's host, disk and shared tiers below vLLM's GPU prefix cache."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -52,13 +61,25 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.parse(transfer.kv_connector_extra_config)
         self.page = PageFormat.from_vllm(vllm_config, kv_cache_config)
+        if len(self.page.groups) > 1 and KVConnectorTransferResults is None:
+            raise ConfigError(
+                "KVPoolConnector needs vLLM's KVConnectorTransferResults for a model with "
+                f"{len(self.page.groups)} KV-cache groups (failed loads are reported per "
+                "request); this vLLM has none: pass --disable-hybrid-kv-cache-manager"
+            )
         self._deltas = Deltas()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             identity = vllm_model_identity(vllm_config, self.page, self.settings.model_id)
             log.info("kvpool: model identity %s", identity)
-            self._scheduler = SchedulerSide(self.settings, self.page, identity.digest)
+            log.info(
+                "kvpool: %d KV-cache groups: %s",
+                len(self.page.groups),
+                ", ".join(str(group) for group in self.page.groups),
+            )
+            workers = int(getattr(vllm_config.parallel_config, "world_size", 1) or 1)
+            self._scheduler = SchedulerSide(self.settings, self.page, identity.digest, workers)
         else:
             config = self.page.manager_config(self.settings, "")
             layout = KVLayout(config.layers, config.tokens_per_block)
@@ -96,10 +117,22 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # (saves copy finished requests' blocks, in start_load_kv)
 
     def wait_for_save(self) -> None:
-        return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolConnectorMetadata)
+        self.worker_side.wait_for_save(meta)  # (stores: blocks this forward pass completed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self.worker_side.get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Finished saves and loads; with several KV-cache groups, failed loads by request
+        (vLLM's block ids are per group, so vLLM takes no block-level load errors then)."""
+        sending, recving = self.worker_side.get_finished()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self.worker_side.take_failed_loads(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_load_errors()
@@ -140,13 +173,21 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler_side.build_connector_meta(scheduler_output)
+        manager = getattr(self, "_kv_cache_manager", None)  # (bind_kv_cache_manager's)
+        block_ids_of = None if manager is None else manager.get_block_ids
+        return self.scheduler_side.build_connector_meta(scheduler_output, block_ids_of)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler_side.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(vLLM calls this for a connector without `SupportsHMA`: one group.)"""
+        return self.scheduler_side.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.request_finished(request, block_ids)
 

@@ -44,9 +44,12 @@ def weights_location(model_config: Any, load_config: Any) -> str | None:
 
 
 def _page_parts(page: PageFormat) -> dict[str, object]:
-    fields = dataclasses.asdict(page)
-    fields.pop("tp_rank")  # (every rank writes its own heads of one page: not a difference)
-    return {f"page.{k}": v for k, v in sorted(fields.items())}
+    parts: dict[str, object] = {"page.block_size": page.block_size, "page.tp_size": page.tp_size}
+    # (not tp_rank: every rank writes its own heads of one page, not a difference)
+    for g, group in enumerate(page.groups):
+        for key, value in sorted(dataclasses.asdict(group).items()):
+            parts[f"page.group{g}.{key}"] = value
+    return parts
 
 
 def vllm_model_identity(vllm_config: Any, page: PageFormat, model_id: str | None) -> ModelIdentity:

@@ -17,9 +17,10 @@ TIERS = ("host", "disk", "remote")
 # (name: what it counts); hit tokens are counted per tier, as `kvpool:hit_tokens{tier=...}`
 COUNTERS = {
     "lookups": "prompts looked up in kvpool",
-    "loaded_blocks": "blocks loaded from kvpool into vLLM's blocks",
-    "saved_blocks": "blocks saved from vLLM's blocks into kvpool",
+    "loaded_blocks": "vLLM blocks (of every KV-cache group) loaded from kvpool",
+    "saved_blocks": "vLLM blocks (of every KV-cache group) saved into kvpool",
     "skipped_saves": "saves skipped: no room at kvpool's first level",
+    "skipped_window_saves": "saves skipped: vLLM had freed a sliding-window block they need",
     "failed_saves": "saves a worker could not write (nothing committed)",
     "load_failures": "lookups whose pages could not be brought up (a read error: a miss)",
     "load_errors": "blocks a worker could not load (vLLM recomputes them)",

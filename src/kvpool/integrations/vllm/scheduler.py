@@ -1,16 +1,25 @@
 """The connector's scheduler side: kvpool's manager lives here and takes every decision (what
 is reused, where pages live, what is evicted); the workers only copy bytes where it says.
 
-A request's kvpool pages are locked for exactly as long as a worker may touch them:
+Each vLLM KV-cache group maps to the kvpool layer group of its life cycle (full attention, or
+a sliding window keeping the same blocks vLLM keeps): a transfer lists, per vLLM group, vLLM's
+block ids and kvpool's slots. A request's kvpool pages are locked for exactly as long as a
+worker may touch them:
 - a load: from the lookup (`get_num_new_matched_tokens`, which resumes a kvpool request
   holding the prefix, so pages on disk or in the remote tier are brought to the shared level
-  then) until every worker reported the copy done (`finished_recving`);
-- a save: from `request_finished` (a kvpool request with the tokens vLLM computed, new pages
-  for the blocks kvpool lacks) until every worker reported the copy done
-  (`finished_sending`); only then are the tokens committed, so no lookup can find a page
-  before its bytes are there.
+  then) until every worker reported the copy done (`finished_recving`); per group, the blocks
+  vLLM allocated for the hit (a sliding window's: only those in the window at the hit's end);
+- a save: from `request_finished` (a kvpool request with the tokens vLLM computed, its history
+  at their end: new pages for the blocks kvpool lacks that each group's life cycle keeps, the
+  blocks vLLM still holds) until every worker reported the copy done (`finished_sending`);
+  only then are the tokens committed, so no lookup can find a page before its bytes are there;
+- a store (models with a sliding window only): the blocks a prompt ends with, copied by the
+  workers after the forward pass that completes the prompt, before vLLM frees the window's
+  blocks as the request decodes; committed once every worker reported it. A repeated prompt
+  needs the window at the prompt's end, which a save at the request's end no longer has.
 Loads are asynchronous in vLLM's sense (the request waits for `finished_recving`): a load that
-failed is reported by the workers as load errors and vLLM recomputes those blocks.
+failed is reported by the workers (load errors, or a failed receive with several groups) and
+vLLM recomputes.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +36,8 @@ from kvpool.config import ReuseScope
 from kvpool.errors import KVPoolError
 from kvpool.integrations.identity import fingerprint_weights, model_identity
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata, Transfer
-from kvpool.integrations.vllm.settings import ConnectorSettings, PageFormat
+from kvpool.integrations.vllm.settings import NULL_BLOCK_ID, ConnectorSettings, PageFormat
+from kvpool.layout import KVLayout
 from kvpool.manager import KVCacheManager
 
 log = logging.getLogger("kvpool.vllm")
@@ -41,6 +52,9 @@ class _Pending:
     num_tokens: int  # a load: tokens it serves; a save: all its tokens
     first_block: int = 0  # a save: its first new block (the ones before were kvpool's)
     in_flight: bool = False  # the copy was handed to the workers
+    blocks: int = 0  # a save: vLLM blocks copied (all groups)
+    reports: int = 0  # a store: workers that reported the copy
+    failed: bool = False  # a store: some worker could not copy
 
 
 @dataclasses.dataclass
@@ -55,6 +69,7 @@ class ConnectorCounters:
     loaded_blocks: int = 0
     saved_blocks: int = 0
     skipped_saves: int = 0  # no room at kvpool's first level
+    skipped_window_saves: int = 0  # vLLM had freed a sliding-window block the save needs
     failed_saves: int = 0  # a worker could not write the pages: not committed
     load_failures: int = 0  # lookups that could not bring their pages up (a read error)
 
@@ -104,18 +119,35 @@ def reusable(request: Any) -> bool:
     )
 
 
+BlockIds = Sequence[Sequence[int]]  # per vLLM KV-cache group
+
+
 class SchedulerSide:
-    def __init__(self, settings: ConnectorSettings, page: PageFormat, model_id: str):
-        """`model_id`: the model's identity (`identity.vllm_model_identity`)."""
+    def __init__(
+        self, settings: ConnectorSettings, page: PageFormat, model_id: str, num_workers: int = 1
+    ):
+        """`model_id`: the model's identity (`identity.vllm_model_identity`); `num_workers`:
+        the worker processes that each report a store (vLLM's world size)."""
         self.page = page
         self.block_size = page.block_size
-        self.manager = KVCacheManager(page.manager_config(settings, model_id))
+        config = page.manager_config(settings, model_id)
+        self.manager = KVCacheManager(config)
+        # kvpool's layer group of each vLLM group; where a block is (host, disk): a full
+        # attention group's page if there is one (a window's pages are only its tail)
+        self.layer_groups = page.layer_groups(KVLayout(config.layers, config.tokens_per_block))
+        groups = zip(page.groups, self.layer_groups, strict=True)
+        full = [lg for group, lg in groups if group.window is None]
+        self._tier_group = (full or self.layer_groups)[0]
+        self.num_workers = num_workers
         self.shared = self.manager.shared_memory()
         self.adapters = AdapterIdentities()
         self.loads: dict[str, _Pending] = {}
         self.saves: dict[str, _Pending] = {}
+        self.stores: dict[str, _Pending] = {}
+        self._prompts: dict[str, Any] = {}  # windowed models: prompts not stored yet
         self._load_transfers: list[Transfer] = []
         self._save_transfers: list[Transfer] = []
+        self._store_transfers: list[Transfer] = []
         self.counters = ConnectorCounters()
         self.stats_path = settings.stats_path
         self._written: dict[str, int] | None = None
@@ -171,11 +203,22 @@ class SchedulerSide:
         return pending
 
     def _tiers_of(self, cache: Any) -> list[str]:
-        """Where each locally held block of a new kvpool request is now (before its resume)."""
+        """Where each locally held block of a new kvpool request is now (before its resume):
+        its page's level in a full-attention group; a block without a page there (a window's
+        block out of the window) counts with the next block that has one."""
         held = (cache.num_committed_tokens - cache.pending_remote_tokens) // self.block_size
-        return ["host" if page.level == 0 else "disk" for page in cache.pages(0)[:held]]
+        tiers: list[str] = []
+        following = "host"
+        for page in reversed(cache.pages(self._tier_group)[:held]):
+            if page is not None:
+                following = "host" if page.level == 0 else "disk"
+            tiers.append(following)
+        tiers.reverse()
+        return tiers
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.page.windowed and reusable(request):
+            self._prompts[request.request_id] = request  # (its prompt's end is stored later)
         pending = self.loads.get(request.request_id)
         if pending is None or pending.in_flight:
             return
@@ -184,78 +227,172 @@ class SchedulerSide:
             return
         first = (pending.num_tokens - num_external_tokens) // self.block_size
         last = pending.num_tokens // self.block_size
-        block_ids = list(blocks.get_block_ids()[0][first:last])
-        slots = [int(s) for s in pending.cache.get_base_page_indices(0)[first:last]]
-        self._load_transfers.append(Transfer(request.request_id, block_ids, slots))
-        self.counters.loaded_blocks += len(block_ids)
+        transfer = self._load_transfer(request.request_id, pending.cache, first, last, blocks)
+        self._load_transfers.append(transfer)
+        self.counters.loaded_blocks += transfer.num_blocks
         pending.in_flight = True
+
+    def _load_transfer(
+        self, request_id: str, cache: Any, first: int, last: int, blocks: Any
+    ) -> Transfer:
+        """Per vLLM group, the blocks vLLM allocated for the hit's blocks [first, last) (not
+        the null blocks a sliding window has out of its window) and kvpool's slots for them
+        (-1 where kvpool has none: the worker then fails the load, and vLLM recomputes)."""
+        block_ids: list[list[int]] = []
+        slots: list[list[int]] = []
+        for ids, group in zip(blocks.get_block_ids(), self.layer_groups, strict=True):
+            base = cache.get_base_page_indices(group)
+            wanted = [i for i in range(first, min(last, len(ids))) if ids[i] != NULL_BLOCK_ID]
+            block_ids.append([int(ids[i]) for i in wanted])
+            slots.append([int(base[i]) if i < len(base) else -1 for i in wanted])
+        return Transfer(request_id, block_ids, slots)
 
     def _release_load(self, request_id: str) -> None:
         pending = self.loads.pop(request_id, None)
         if pending is not None:
             pending.cache.close()
 
-    # -- saves ---------------------------------------------------------------------------
+    # -- saves and stores ----------------------------------------------------------------
     def request_finished(
-        self, request: Any, block_ids: list[int]
+        self, request: Any, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
+        """`block_ids`: per vLLM group, the request's blocks (a sliding window's out of the
+        window are vLLM's null block)."""
         request_id = request.request_id
+        self._prompts.pop(request_id, None)
         load = self.loads.get(request_id)
         if load is not None:
             if load.in_flight:  # closed when the workers report the copy (vLLM keeps the
                 return False, None  # blocks until then); they may not hold KV yet: no save
             self._release_load(request_id)
-        if not reusable(request):
+        if not reusable(request) or request_id in self.saves:
             return False, None
-        num_blocks = min(request.num_computed_tokens // self.block_size, len(block_ids))
-        if num_blocks == 0 or request_id in self.saves:
+        lengths = [len(ids) for ids in block_ids]
+        num_blocks = min([request.num_computed_tokens // self.block_size, *lengths])
+        if num_blocks <= 0:
             return False, None
         tokens = list(request.all_token_ids[: num_blocks * self.block_size])
+        planned = self._plan_save(request, tokens, block_ids)
+        if planned is None:
+            return False, None
+        self.saves[request_id], transfer = planned
+        self._save_transfers.append(transfer)
+        return True, None
+
+    def _plan_save(
+        self, request: Any, tokens: list[int], block_ids: BlockIds
+    ) -> tuple[_Pending, Transfer] | None:
+        """A kvpool request for `tokens` (whole blocks) whose history is at their end, with
+        new pages for the blocks kvpool lacks that each group keeps there, and the copy that
+        fills them from vLLM's `block_ids`; None when kvpool has them all, has no room, or a
+        block it needs is one vLLM already freed (a sliding window's)."""
         scope = reuse_scope(request, self.adapters)
         if self.manager.probe_reuse(scope, tokens) >= len(tokens):
-            return False, None  # kvpool has all of it (at some level)
+            return None  # kvpool has all of it (at some level)
         cache = self.manager.create_kv_cache(scope, tokens)
         try:
-            room = cache.resume() and cache.resize(len(tokens))
+            room = cache.resume() and cache.resize(len(tokens), len(tokens))
         except (KVPoolError, OSError) as error:
-            log.warning("kvpool: not saving %s: %s", request_id, error)
+            log.warning("kvpool: not saving %s: %s", request.request_id, error)
             room = False
         if not room:
             self.counters.skipped_saves += 1
             cache.close()
-            return False, None
+            return None
         held = cache.num_committed_tokens  # (final after resume: a remote fetch may shorten it)
-        first = held // self.block_size
-        slots = [int(s) for s in cache.get_base_page_indices(0)[first:num_blocks]]
-        self._save_transfers.append(Transfer(request_id, list(block_ids[first:num_blocks]), slots))
-        self.saves[request_id] = _Pending(cache, tokens[held:], len(tokens), first, in_flight=True)
-        return True, None
+        first, last = held // self.block_size, len(tokens) // self.block_size
+        transfer = self._save_transfer(request.request_id, cache, first, last, block_ids)
+        if transfer is None or first >= last:
+            if transfer is None:
+                self.counters.skipped_window_saves += 1
+            cache.close()
+            return None
+        pending = _Pending(cache, tokens[held:], len(tokens), first, True, transfer.num_blocks)
+        return pending, transfer
+
+    def _save_transfer(
+        self, request_id: str, cache: Any, first: int, last: int, block_ids: BlockIds
+    ) -> Transfer | None:
+        """Per vLLM group, the blocks [first, last) that kvpool has a new page for, and those
+        pages' slots; None if vLLM no longer holds one of them."""
+        ids: list[list[int]] = []
+        slots: list[list[int]] = []
+        for vllm, group in zip(block_ids, self.layer_groups, strict=True):
+            base = cache.get_base_page_indices(group)
+            wanted = [i for i in range(first, last) if base[i] >= 0]
+            if any(i >= len(vllm) or vllm[i] == NULL_BLOCK_ID for i in wanted):
+                return None
+            ids.append([int(vllm[i]) for i in wanted])
+            slots.append([int(base[i]) for i in wanted])
+        return Transfer(request_id, ids, slots)
+
+    def _plan_stores(
+        self, scheduled: dict[str, int], block_ids_of: Callable[[str], BlockIds]
+    ) -> None:
+        """Store the prompts this step completes (models with a sliding window): their whole
+        blocks up to the last token but one, where a lookup of the same prompt ends."""
+        for request_id in [r for r in self._prompts if r in scheduled]:
+            request = self._prompts[request_id]
+            if request.num_computed_tokens + scheduled[request_id] < request.num_prompt_tokens:
+                continue
+            del self._prompts[request_id]
+            end = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+            if end <= 0 or request_id in self.stores:
+                continue
+            tokens = list(request.all_token_ids[:end])
+            planned = self._plan_save(request, tokens, block_ids_of(request_id))
+            if planned is not None:
+                self.stores[request_id], transfer = planned
+                self._store_transfers.append(transfer)
+
+    def _finish_save(self, pending: _Pending, failed: bool) -> None:
+        """Commit a save's or a store's tokens (none if some worker failed), then write them
+        to the remote tier at once (write-through: other engines find them now)."""
+        try:
+            if failed:  # some worker's bytes are missing: commit nothing
+                self.counters.failed_saves += 1
+            else:
+                pending.cache.commit(pending.tokens)
+                self.counters.saved_blocks += pending.blocks
+                self.manager.write_remote(pending.cache, pending.first_block)
+        finally:
+            pending.cache.close()
 
     # -- each step -----------------------------------------------------------------------
-    def build_connector_meta(self, scheduler_output: Any) -> KVPoolConnectorMetadata:
-        meta = KVPoolConnectorMetadata(self.shared, self._save_transfers, self._load_transfers)
-        self._save_transfers, self._load_transfers = [], []
+    def build_connector_meta(
+        self, scheduler_output: Any, block_ids_of: Callable[[str], BlockIds] | None = None
+    ) -> KVPoolConnectorMetadata:
+        """`block_ids_of(request_id)`: vLLM's blocks of a running request, per group (vLLM's
+        KV-cache manager); without it no prompt is stored."""
+        if self._prompts and block_ids_of is not None:
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            self._plan_stores(scheduled, block_ids_of)
+        meta = KVPoolConnectorMetadata(
+            self.shared, self._save_transfers, self._load_transfers, self._store_transfers
+        )
+        self._save_transfers, self._load_transfers, self._store_transfers = [], [], []
         self._write_stats()
         return meta
 
     def update_connector_output(self, output: Any) -> None:
         for request_id in output.finished_recving or ():
             self._release_load(request_id)
-        failed: set[str] = getattr(output.kv_connector_worker_meta, "failed_saves", set())
+        meta = output.kv_connector_worker_meta
+        failed: set[str] = getattr(meta, "failed_saves", set())
         for request_id in output.finished_sending or ():
             pending = self.saves.pop(request_id, None)
+            if pending is not None:
+                self._finish_save(pending, request_id in failed)
+        failed_stores: set[str] = getattr(meta, "failed_stores", set())
+        for request_id, count in getattr(meta, "stored", {}).items():
+            pending = self.stores.get(request_id)
             if pending is None:
                 continue
-            try:
-                if request_id in failed:  # some worker's bytes are missing: commit nothing
-                    self.counters.failed_saves += 1
-                else:
-                    pending.cache.commit(pending.tokens)
-                    self.counters.saved_blocks += -(-len(pending.tokens) // self.block_size)
-                    # (write-through: other engines sharing the remote tier find them now)
-                    self.manager.write_remote(pending.cache, pending.first_block)
-            finally:
-                pending.cache.close()
+            pending.reports += count
+            pending.failed = pending.failed or request_id in failed_stores
+            if pending.reports >= self.num_workers:  # every worker copied it (or failed)
+                del self.stores[request_id]
+                self._finish_save(pending, pending.failed)
         self._write_stats()
 
     def _write_stats(self, force: bool = False) -> None:
@@ -280,19 +417,23 @@ class SchedulerSide:
             "loaded_blocks": counters.loaded_blocks,
             "saved_blocks": counters.saved_blocks,
             "skipped_saves": counters.skipped_saves,
+            "skipped_window_saves": counters.skipped_window_saves,
             "failed_saves": counters.failed_saves,
             "load_failures": counters.load_failures,
             **{f"hit_tokens_{tier}": n for tier, n in counters.hit_tokens_by_tier.items()},
         }
 
     def statistics(self) -> dict[str, Any]:
-        """The connector's counters, kvpool's hits per level and the remote tier's counters."""
+        """The connector's counters, kvpool's hits per level, the remote tier's counters, and
+        the vLLM KV-cache groups it holds (with kvpool's layer group of each)."""
         stats = self.manager.stats()
         remote = self.manager.remote_statistics()
         return {
             **dataclasses.asdict(self.counters),
             "manager_hit_tokens_by_level": list(stats.hit_tokens_by_level),
             "remote": None if remote is None else dataclasses.asdict(remote),
+            "kv_cache_groups": [str(group) for group in self.page.groups],
+            "kvpool_layer_groups": list(self.layer_groups),
         }
 
     def shutdown(self) -> None:
@@ -302,10 +443,12 @@ class SchedulerSide:
         if self._closed:
             return
         self._closed = True
-        for pending in [*self.loads.values(), *self.saves.values()]:
+        for pending in [*self.loads.values(), *self.saves.values(), *self.stores.values()]:
             pending.cache.close()
         self.loads.clear()
         self.saves.clear()
+        self.stores.clear()
+        self._prompts.clear()
         try:
             self.manager.flush_remote_writes()
             log.info("kvpool connector: %s", self.statistics())

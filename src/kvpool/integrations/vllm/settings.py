@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from kvpool.config import (
     EVICTION_POLICIES,
@@ -34,6 +34,7 @@ from kvpool.config import (
     RemoteCacheTierConfig,
 )
 from kvpool.errors import ConfigError
+from kvpool.layout import KVLayout
 
 GiB = 1 << 30
 EXTRA_CONFIG_KEYS = (
@@ -144,53 +145,108 @@ class ConnectorSettings:
         )
 
 
-@dataclass(frozen=True)
-class PageFormat:
-    """How one vLLM block of every layer is laid out in a kvpool page.
+# Why each vLLM KV-cache spec kvpool cannot hold is refused (by class name; a subclass of a
+# supported spec is refused unless listed as supported: its blocks mean something else).
+REFUSED_SPECS = {
+    "MambaSpec": "a Mamba/SSM layer's state (conv and SSM tensors in blocks of vLLM's own "
+    "layout, per mamba_cache_mode) is not mapped to kvpool's SSM snapshots",
+    "MLAAttentionSpec": "MLA caches one latent vector per token, not K and V per head",
+    "SlidingWindowMLASpec": "MLA caches one latent vector per token, not K and V per head",
+    "HiddenStateCacheSpec": "hidden states, not K and V per head",
+    "ChunkedLocalAttentionSpec": "a chunked-local layer keeps only its current chunk's "
+    "blocks, which no kvpool life cycle describes (a sliding window keeps the last tokens)",
+    "SinkFullAttentionSpec": "its sink blocks hold learned KV, not the KV of the prompt's tokens",
+    "RSWASpec": "reference sliding window attention drops a gap between the prompt and the "
+    "window, which no kvpool life cycle describes",
+    "CrossAttentionSpec": "cross-attention KV comes from the encoder's input, not the tokens",
+    "EncoderOnlyAttentionSpec": "encoder-only KV is not kept between steps",
+    "CircularBufferSpec": "a ring buffer per request is scratch, not prefix KV",
+    "UniformTypeKVCacheSpecs": "its layers have different page formats, and vLLM's scheduler "
+    "sees only one of them",
+}
+SUPPORTED_SPECS = ("FullAttentionSpec", "SlidingWindowSpec")
+NULL_BLOCK_ID = 0  # vLLM's null block (BlockPool.null_block: the first block, never allocated)
 
-    A page holds, per layer, a `"k"` and a `"v"` buffer of [heads, block_size, head_size]
-    elements of the KV cache's dtype, where `heads` counts the KV heads of all tensor-parallel
-    ranks: rank r reads and writes heads [r * local_heads, (r + 1) * local_heads)."""
+
+@dataclass(frozen=True)
+class GroupFormat:
+    """One vLLM KV-cache group: its layers share block ids (one block table). Per layer, a
+    page holds a `"k"` and a `"v"` buffer of [heads, block_size, head_size] elements of the
+    KV cache's dtype (`heads`: every tensor-parallel rank's). `window`: None for full
+    attention; else the tokens a sliding window keeps (vLLM's sliding window and its extra
+    retained tokens): kvpool's life cycle for the group, which keeps the same blocks."""
 
     layer_names: tuple[str, ...]
-    block_size: int
     local_heads: int
     head_size: int
     itemsize: int
+    window: int | None = None
+
+    def __str__(self) -> str:
+        kind = "full attention" if self.window is None else f"sliding window {self.window}"
+        return f"{kind} ({len(self.layer_names)} layers)"
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """How one vLLM block of every layer is laid out in kvpool's pages, per vLLM KV-cache
+    group (`groups`, in vLLM's order). Each vLLM layer is one kvpool layer (ids in group
+    order); kvpool puts layers of equal life cycles in one layer group, so vLLM groups of one
+    spec (vLLM splits a 5:1 model's sliding layers into five groups) share kvpool pages, one
+    page per block holding all their layers. Rank r of `tp_size` reads and writes heads
+    [r * local_heads, (r + 1) * local_heads) of every buffer."""
+
+    groups: tuple[GroupFormat, ...]
+    block_size: int
     tp_rank: int
     tp_size: int
 
-    @property
-    def heads(self) -> int:
-        return self.local_heads * self.tp_size
+    @classmethod
+    def single(
+        cls,
+        layer_names: tuple[str, ...],
+        block_size: int,
+        local_heads: int,
+        head_size: int,
+        itemsize: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        window: int | None = None,
+    ) -> PageFormat:
+        """One KV-cache group."""
+        group = GroupFormat(tuple(layer_names), local_heads, head_size, itemsize, window)
+        return cls((group,), block_size, tp_rank, tp_size)
+
+    def heads(self, group: int) -> int:
+        return self.groups[group].local_heads * self.tp_size
+
+    def buffer_bytes(self, group: int) -> int:
+        """Bytes of one buffer (K or V of one layer) of one block, all ranks' heads."""
+        g = self.groups[group]
+        return self.heads(group) * self.block_size * g.head_size * g.itemsize
 
     @property
-    def buffer_bytes(self) -> int:
-        return self.heads * self.block_size * self.head_size * self.itemsize
+    def windowed(self) -> bool:
+        """Whether some group is a sliding window (vLLM frees its blocks as it decodes)."""
+        return any(g.window is not None for g in self.groups)
+
+    def layer_ids(self, group: int) -> range:
+        """kvpool's layer ids of a group's layers."""
+        start = sum(len(g.layer_names) for g in self.groups[:group])
+        return range(start, start + len(self.groups[group].layer_names))
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> PageFormat:
-        """Refuses, naming what, every KV-cache config it cannot hold exactly."""
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
+        """Refuses, naming what and why, every KV-cache config it cannot hold exactly."""
         groups = list(kv_cache_config.kv_cache_groups)
-        if len(groups) != 1:
+        if not groups:
+            raise ConfigError("KVPoolConnector needs a model with a KV cache; this one has none")
+        formats = [_group_format(i, group) for i, group in enumerate(groups)]
+        block_sizes = sorted({int(group.kv_cache_spec.block_size) for group in groups})
+        if len(block_sizes) != 1:
             raise ConfigError(
-                f"KVPoolConnector supports models with one KV-cache group; this one has "
-                f"{len(groups)} ({', '.join(type(g.kv_cache_spec).__name__ for g in groups)}): "
-                "several KV-cache groups (vLLM's hybrid allocator) are not supported yet"
-            )
-        spec = groups[0].kv_cache_spec
-        if type(spec) is not FullAttentionSpec:
-            raise ConfigError(
-                f"KVPoolConnector supports full attention only; this model's KV cache is "
-                f"{type(spec).__name__}"
-            )
-        if spec.head_size_v != spec.head_size or str(spec.kv_quant_mode.name) != "NONE":
-            raise ConfigError(
-                "KVPoolConnector supports K and V of one head size, unquantized; this model has "
-                f"head_size={spec.head_size}, head_size_v={spec.head_size_v}, "
-                f"kv_quant_mode={spec.kv_quant_mode.name}"
+                "KVPoolConnector needs one block size for every KV-cache group (a kvpool page "
+                f"holds one block of every layer); this model's groups have {block_sizes}"
             )
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
@@ -198,6 +254,13 @@ class PageFormat:
                 "KVPoolConnector supports pipeline_parallel_size=1 only; this engine has "
                 f"{parallel.pipeline_parallel_size}"
             )
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            size = getattr(parallel, name, 1)
+            if size != 1:
+                raise ConfigError(
+                    f"KVPoolConnector supports {name}=1 only (a rank then holds some of a "
+                    f"block's tokens); this engine has {size}"
+                )
         tp_rank = 0
         if parallel.tensor_parallel_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -207,27 +270,28 @@ class PageFormat:
             except (AssertionError, AttributeError):
                 tp_rank = 0  # (the scheduler's process: it has no rank and needs none)
         return cls(
-            layer_names=tuple(groups[0].layer_names),
-            block_size=int(spec.block_size),
-            local_heads=int(spec.num_kv_heads),
-            head_size=int(spec.head_size),
-            itemsize=int(spec.dtype.itemsize),
+            groups=tuple(formats),
+            block_size=block_sizes[0],
             tp_rank=tp_rank,
             tp_size=int(parallel.tensor_parallel_size),
         )
 
     def manager_config(self, settings: ConnectorSettings, model_id: str) -> KVCacheManagerConfig:
         """kvpool's manager: level 0 in host memory shared with the workers (by file
-        descriptor), then disk, then the remote tier. `model_id`: the model's identity."""
+        descriptor), then disk, then the remote tier; one attention layer per vLLM layer,
+        with its group's life cycle. `model_id`: the model's identity."""
         tiers: list[CacheTierConfig] = [GpuCacheTierConfig(settings.host_bytes, shared_by_fd=True)]
         if settings.disk_bytes:
             assert settings.disk_path is not None
             tiers.append(DiskCacheTierConfig(settings.disk_bytes, settings.disk_path))
-        size = self.buffer_bytes
-        layers = [
-            AttentionLayerConfig(i, [BufferConfig("k", size), BufferConfig("v", size)])
-            for i in range(len(self.layer_names))
-        ]
+        layers = []
+        for g, group in enumerate(self.groups):
+            size = self.buffer_bytes(g)
+            buffers = [BufferConfig("k", size), BufferConfig("v", size)]
+            layers += [
+                AttentionLayerConfig(layer_id, buffers, sliding_window_size=group.window)
+                for layer_id in self.layer_ids(g)
+            ]
         events = None
         if settings.kv_events_endpoint is not None:
             events = KVEventsConfig(endpoint=settings.kv_events_endpoint)
@@ -243,5 +307,53 @@ class PageFormat:
             max_util_for_resume=1.0,
         )
 
+    def layer_groups(self, layout: KVLayout) -> list[int]:
+        """kvpool's layer group of each vLLM group (its pages' slot ids)."""
+        return [layout.layer_group_of[self.layer_ids(g)[0]] for g in range(len(self.groups))]
 
-__all__ = ["EXTRA_CONFIG_KEYS", "ConnectorSettings", "PageFormat"]
+
+def _group_format(index: int, group: Any) -> GroupFormat:
+    """One vLLM KV-cache group's format, or a `ConfigError` naming the group and why."""
+    spec = group.kv_cache_spec
+    kind = type(spec).__name__
+    names = list(group.layer_names)
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+    def refuse(why: str) -> NoReturn:
+        raise ConfigError(
+            f"KVPoolConnector cannot hold KV-cache group {index} ({kind}: {shown}): {why}"
+        )
+
+    if kind not in SUPPORTED_SPECS:
+        refuse(REFUSED_SPECS.get(kind, f"kvpool holds {' and '.join(SUPPORTED_SPECS)} only"))
+    if getattr(group, "host_resident", False) or not getattr(group, "enable_kv_transfer", True):
+        refuse("the group is not part of the KV state a connector transfers")
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    if spec.head_size_v != spec.head_size or quant != "NONE":
+        refuse(
+            "kvpool holds K and V of one head size, unquantized; this group has "
+            f"head_size={spec.head_size}, head_size_v={spec.head_size_v}, kv_quant_mode={quant}"
+        )
+    packed = {
+        "page_size_padded": getattr(spec, "page_size_padded", None),
+        "num_head_slots": getattr(spec, "num_head_slots", None),
+        "state_content_bytes": getattr(spec, "state_content_bytes", None),
+    }
+    packed = {k: v for k, v in packed.items() if v is not None}
+    if getattr(spec, "tokens_per_state", 1) != 1:
+        packed["tokens_per_state"] = spec.tokens_per_state
+    if packed:
+        refuse(f"kvpool holds dense pages of K and V per head; this group's pages are {packed}")
+    window = None
+    if kind == "SlidingWindowSpec":
+        window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    return GroupFormat(
+        layer_names=tuple(names),
+        local_heads=int(spec.num_kv_heads),
+        head_size=int(spec.head_size),
+        itemsize=int(spec.dtype.itemsize),
+        window=window,
+    )
+
+
+__all__ = ["EXTRA_CONFIG_KEYS", "NULL_BLOCK_ID", "ConnectorSettings", "GroupFormat", "PageFormat"]
