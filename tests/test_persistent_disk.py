@@ -613,7 +613,8 @@ writer({directory!r}, {layers!r}, {seed})
 
 def writer(directory, layers, seed):
     """Run requests forever, saying after each how many ran (for the parent to kill it).
-    Some requests stay suspended with uncommitted blocks (held pages, pushed down)."""
+    Some requests stay suspended with uncommitted blocks (held pages, pushed down); now and
+    then the disk level is re-split (hybrid) or resized."""
     m = KVCacheManager(config(directory, layers=HYBRID if layers == "hybrid" else LAYERS))
     rng = np.random.default_rng(seed)
     held = []
@@ -635,6 +636,12 @@ def writer(directory, layers, seed):
         assert cache.resize(len(tokens))
         fill(m, cache, tokens)
         cache.close()
+        level = m.num_levels - 1
+        if n % 17 == 16:  # slots relocated inside the files, their ends moved (killed there too)
+            if layers == "hybrid":
+                m.adjust_cache_level(level, [0.4, 0.6] if n % 34 == 16 else [0.7, 0.3])
+            else:
+                m.resize(level, (6 if n % 34 == 16 else 8) * MiB)
         print(n, len(disk_pages(m)), flush=True)
 
 
