@@ -32,6 +32,7 @@ from kvpool import (
     GpuCacheTierConfig,
     HostCacheTierConfig,
     KVCacheManager,
+    LogicError,
     ReuseScope,
     StorageError,
 )
@@ -183,6 +184,23 @@ def check_disk_bytes(manager):
     return len(pages)
 
 
+def unrecorded(manager):
+    """Tree pages on the disk level whose slot has no valid record naming their block and
+    layer group (read from the file)."""
+    storage = manager.level_storage(manager.num_levels - 1)
+    missing = []
+    for (key, group), page in disk_pages(manager).items():
+        file = storage.persistent.files[page.pool_group]
+        with open(file.path, "rb") as handle:
+            handle.seek(HEADER_BYTES + page.slot_id * file.stride)
+            head = handle.read(_RECORD.size + 4 * len(file.slot_sizes) + _LABEL.size)
+        at = _RECORD.size + 4 * len(file.slot_sizes)
+        group_of, _, _, key_of = _LABEL.unpack_from(head, at)[:4]
+        if head[:8] != RECORD_MAGIC or key_of != key or group_of != group:
+            missing.append(page)
+    return missing
+
+
 def level_file(directory, pool_group=0):
     return Path(directory) / file_name(pool_group)
 
@@ -228,7 +246,7 @@ def test_a_restarted_manager_finds_every_disk_block_byte_for_byte(tmp_path):
     prompts = fill_disk(m)
     on_disk = set(disk_pages(m))
     assert len(on_disk) >= 100  # (the path: most blocks went down to disk)
-    assert check_disk_bytes(m) == len(on_disk)
+    assert check_disk_bytes(m) == len(on_disk) and unrecorded(m) == []
     shutdown(m)
 
     m = KVCacheManager(config(tmp_path))
@@ -292,6 +310,41 @@ def test_another_identity_or_layout_finds_nothing_and_reuses_the_files(tmp_path)
         assert m.disk_recovery.started_empty and m.disk_recovery.pages == 0
         assert all(m.probe_reuse(None, tokens) == 0 for tokens in prompts)
         shutdown(m)
+
+
+def test_save_to_disk_keeps_the_chain_heads_a_restart_needs(tmp_path):
+    """A system prompt every request shares stays on the GPU (hot: eviction trims chains from
+    their ends); the conversations below it go down to disk. After a restart none of them is
+    reachable, unless `save_to_disk()` moved the GPU's pages down first."""
+    system = [7_000_000 + i for i in range(2 * TPB)]
+    conversations = [system + [n * 1000 + i for i in range(3 * TPB)] for n in range(60)]
+    for save in (False, True):
+        directory = tmp_path / str(save)
+        directory.mkdir()
+        m = KVCacheManager(config(directory))
+        for tokens in conversations:
+            run(m, tokens)
+        assert [m._tree.index[key].pages[0].level for key in chain_keys(system)] == [0, 0]
+        assert len(disk_pages(m)) > 90  # (conversations' blocks on disk, their heads above)
+        if save:
+            gpu_pages = m.get_storage_statistics(0)[0].evictable
+            assert m.save_to_disk() == gpu_pages
+            assert {page.level for page in disk_pages(m).values()} == {1}
+            assert unrecorded(m) == []
+            assert m.get_storage_statistics(0)[0].free == 32  # (all moved down)
+        shutdown(m)
+        m = KVCacheManager(config(directory))
+        reused = [m.probe_reuse(None, tokens) for tokens in conversations]
+        if save:
+            assert sum(r == len(conversations[0]) for r in reused) >= 30
+            assert check_disk_bytes(m) == m.disk_recovery.pages
+        else:
+            assert reused == [0] * 60 and m.disk_recovery.discarded["unreachable"] > 90
+        shutdown(m)
+    m = KVCacheManager(config(tmp_path / "True", persistent_id=None))
+    with pytest.raises(LogicError, match="persistent disk level"):
+        m.save_to_disk()
+    shutdown(m)
 
 
 def test_clear_reusable_blocks_forgets_them_for_later_managers_too(tmp_path):
@@ -765,6 +818,7 @@ def test_a_failed_write_leaves_only_true_records(
         for cache, tokens in s.requests:
             s.engine.check_anywhere(cache, tokens)
         assert check_engine_records(m) == len(disk_pages(m))
+        assert len(unrecorded(m)) <= m._persist.failed  # (a record whose write failed)
     finally:
         shutdown(m)
     m = KVCacheManager(m.config)  # (a chain whose head was on an upper level is unreachable)
@@ -799,7 +853,7 @@ def test_rebalancing_and_resizing_the_disk_level_keep_the_records_true(tmp_path)
     m.adjust_cache_level(level, ratio, 16 * MiB)  # back to a fresh manager's split
     assert m.get_slot_counts(level) == initial
     on_disk = set(disk_pages(m))
-    assert len(on_disk) > 50 and check_disk_bytes(m) == len(on_disk)
+    assert len(on_disk) > 50 and check_disk_bytes(m) == len(on_disk) and unrecorded(m) == []
     shutdown(m)
 
     m = KVCacheManager(config(tmp_path, layers=HYBRID, disk_mib=16))

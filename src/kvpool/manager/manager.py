@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import SupportsIndex, cast
+from typing import Final, SupportsIndex, cast
 
 from kvpool.cache import KVCache, PriorityCallback
 from kvpool.config import CacheTier, ReuseScope
-from kvpool.errors import ArgumentError, LogicError
+from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
 from kvpool.lookahead import DiskRange, Lookahead, LookaheadPool, RemoteQuery
 from kvpool.manager.rebalancing import Rebalancing
 from kvpool.radix import Match, lost_block
@@ -26,6 +26,8 @@ from kvpool.validation import (
     fail,
     token_list,
 )
+
+SAVE_BATCH: Final = 256  # pages moved per batch by `save_to_disk`
 
 
 class KVCacheManager(Rebalancing):
@@ -295,6 +297,52 @@ class KVCacheManager(Rebalancing):
         if self._kv_events is not None:
             self._kv_events.cleared()
         self._after_call()
+
+    def save_to_disk(self) -> int:
+        """Move the cached pages of the levels above a persistent disk level down to it (the
+        host's, then the GPU's, oldest first; room made there as eviction makes it, dropping
+        its least valuable pages), so that a manager started later on the level finds whole
+        chains: eviction trims a chain from its end, so the first blocks of hot prefixes stay
+        on the GPU or the host, and a chain whose first blocks are lost is not reachable after
+        a restart. Call it before `shutdown()` for a warm restart (it copies as much as the
+        upper levels cache; when that is more than the disk level holds, the pages moved last,
+        the GPU's newest, are the ones kept). Refused while requests are open; `LogicError`
+        without a persistent disk level. Returns the pages moved down."""
+        self._require_open()
+        self._refuse_with_open_caches("save_to_disk")
+        persist = self._persist
+        if persist is None:
+            raise LogicError(
+                "save_to_disk() needs a persistent disk level (DiskCacheTierConfig.persistent_id)"
+            )
+        state, allocation, migration = (
+            self._storage.state,
+            self._storage.allocation,
+            self._storage.migration,
+        )
+        disk, moved = persist.level, 0
+        for level in range(disk - 1, -1, -1):
+            for pool_group in range(len(state.queues[level])):
+                pages = list(state.queues[level][pool_group])  # (every one cached: committed)
+                step = max(1, min(SAVE_BATCH, state.allocators[disk][pool_group].capacity))
+                full = False
+                for start in range(0, len(pages), step):
+                    batch = [p for p in pages[start : start + step] if p.level == level]
+                    if not batch:
+                        continue
+                    try:
+                        allocation.make_room(disk, pool_group, len(batch))
+                    except OutOfPagesError:
+                        full = True
+                        break
+                    # (a drop may have taken some of them out of the tree: freed)
+                    batch = [p for p in batch if p.slot is not None and p.level == level]
+                    migration.migrate(batch, disk)
+                    moved += len(batch)
+                if full:  # (nothing left to drop: no more room in this pool group)
+                    continue
+        self._after_call()
+        return moved
 
     def shutdown(self) -> None:
         """Release all memory (idempotent; refused while requests are open)."""
