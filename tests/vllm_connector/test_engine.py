@@ -43,7 +43,8 @@ def model(tmp_path_factory) -> str:
     return str(directory)
 
 
-def run_engine(model: str, extra: dict | None, rounds: list[str], **spec) -> list[list[dict]]:
+def run_engine_process(model: str, extra: dict | None, rounds: list[str], **spec) -> tuple:
+    """The engine's rounds, its `ENGINE` line (KV cache size, hybrid allocator) and its log."""
     spec = {"model": model, "extra": extra, "prompts": PROMPTS, "rounds": rounds, **spec}
     done = subprocess.run(
         [
@@ -56,9 +57,17 @@ def run_engine(model: str, extra: dict | None, rounds: list[str], **spec) -> lis
         timeout=600,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-6000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    lines = done.stdout.splitlines()
+    results = [line for line in lines if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, done.stderr[-6000:]
+    (engine,) = [
+        json.loads(line.removeprefix("ENGINE ")) for line in lines if line.startswith("ENGINE ")
+    ]
+    return json.loads(results[-1].removeprefix("RESULT ")), engine, done.stdout + done.stderr
+
+
+def run_engine(model: str, extra: dict | None, rounds: list[str], **spec) -> list[list[dict]]:
+    return run_engine_process(model, extra, rounds, **spec)[0]
 
 
 def tokens(round_: list[dict]) -> list[list[int]]:
@@ -188,27 +197,51 @@ def test_tensor_parallel_workers_each_save_and_load_their_own_heads(model, tmp_p
     assert stats_of(stats)["loaded_blocks"] == 4 * HITS // BLOCK
 
 
-def test_a_model_mixing_sliding_window_and_full_layers_runs_with_identical_tokens(tmp_path):
-    """vLLM turns its hybrid allocator off for a connector without SupportsHMA: every layer's
-    KV is kept (one group), and kvpool's hits must leave the windowed layers' outputs as they
-    were."""
+def test_a_gemma3_style_model_keeps_vllms_hybrid_allocator_and_its_kv_capacity(tmp_path):
+    """Three sliding-window layers (64 tokens) and a full-attention one, prompts of 700 tokens:
+    with kvpool's connector vLLM keeps its hybrid KV-cache allocator (a group per layer, the
+    sliding ones freeing what leaves their window), so its KV capacity is vLLM's alone; the
+    tokens are vLLM's alone, and kvpool serves the second pass (vLLM's own prefix cache off:
+    every cached token is kvpool's) and the conversations' next turns."""
     directory = tmp_path / "gemma3"
     config = transformers.Gemma3TextConfig(
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=2,
+        num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
         sliding_window=64,
-        layer_types=["sliding_attention", "full_attention"],
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
         vocab_size=2048,
         max_position_embeddings=4096,
     )
     torch.manual_seed(0)
     transformers.Gemma3ForCausalLM(config).save_pretrained(directory)
-    # (alone, vLLM's hybrid allocator splits its pool between the two groups: give it twice)
-    alone = run_engine(str(directory), None, ["one", "one"], num_blocks=96)
-    ours = run_engine(str(directory), {"host_bytes": 64 << 20}, ["one", "one"])
-    assert tokens(ours[0]) == tokens(alone[0]) and tokens(ours[1]) == tokens(alone[1])
-    assert cached(ours[1]) == [HITS] * 4
+    rounds = ["one", "one", "continue:20"]  # (the third: each prompt, its output, 20 more)
+    spec = {"num_blocks": None, "prefix_caching": False}  # (vLLM sizes its own pool)
+    alone, alone_engine, _ = run_engine_process(str(directory), None, rounds, **spec)
+    stats = tmp_path / "stats.json"
+    extra = {"host_bytes": 64 << 20, "stats_path": str(stats)}
+    ours, engine, log = run_engine_process(str(directory), extra, rounds, **spec)
+    assert engine["hybrid_kv_cache_manager"] and alone_engine["hybrid_kv_cache_manager"]
+    assert "Turning off hybrid kv cache manager" not in log
+    assert engine["num_gpu_blocks"] == alone_engine["num_gpu_blocks"]
+    assert engine["kv_cache_size_tokens"] == alone_engine["kv_cache_size_tokens"] > 0
+    for theirs, mine in zip(alone, ours, strict=True):
+        assert tokens(mine) == tokens(theirs)
+    assert cached(alone[1]) == [0, 0, 0, 0]
+    assert cached(ours[0]) == [0, 0, 0, 0]
+    assert cached(ours[1]) == [HITS] * 4  # the prompts' ends, stored after their prefill
+    # the next turn (728 tokens) up to where the first turn's request ended: 707 computed
+    assert [r["prompt"] for r in ours[2]] == [PROMPT + 8 + 20] * 4
+    assert cached(ours[2]) == [(PROMPT + 7) // BLOCK * BLOCK] * 4
+    counters = stats_of(stats)
+    assert counters["kv_cache_groups"] == ["sliding window 64 (1 layers)"] * 3 + [
+        "full attention (1 layers)"
+    ]
+    assert len(set(counters["kvpool_layer_groups"])) == 2  # (the sliding ones share one)
+    # per request: the full-attention group's blocks, and each sliding group's 2 blocks in
+    # the window at the hit's end (the second pass: 21 + 3 x 2; the next turn: 22 + 3 x 2)
+    assert counters["loaded_blocks"] == 4 * (21 + 6) + 4 * (22 + 6)
+    assert counters["failed_saves"] == 0 and counters["skipped_window_saves"] == 0
