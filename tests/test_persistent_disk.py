@@ -37,7 +37,7 @@ from kvpool import (
     StorageError,
 )
 from kvpool.lifecycles import SsmLifeCycle
-from kvpool.storage.persistent import _RECORD, HEADER_BYTES, RECORD_MAGIC, file_name
+from kvpool.storage.slot_file import _RECORD, HEADER_BYTES, RECORD_MAGIC, file_name
 from kvpool.tiers.persistence import _LABEL
 from kvpool.tokens import block_key_of_encoded, encode_tokens, root_key
 from tests import test_fault_matrix as fault_matrix

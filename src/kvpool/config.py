@@ -104,18 +104,11 @@ class HostCacheTierConfig:
 
 @dataclass(frozen=True)
 class DiskCacheTierConfig:
-    """A disk level of `quota` bytes in directory `path`.
-
-    `persistent_id`: None (the default) keeps the level in unlinked files, gone with the
-    process. A non-empty string (the model's identity digest: whatever changes the KV bytes,
-    the weights, dtypes, the shard of a tensor-parallel rank) makes the level outlive the
-    process: it lives in named files in `path` (`kvpool-disk.pg<N>.kvp`, one per pool group),
-    each slot with a record saying which block it holds, written after its bytes. A manager
-    started later with the same `persistent_id` and the same layout (tokens per block, life
-    cycles, buffer placements) finds the committed blocks that were on the disk level when the
-    process stopped or crashed, checked against their checksums, in its tree at the disk level
-    (`KVCacheManager.disk_recovery` says what it found); another identity or layout starts
-    empty. One manager at a time owns a directory's level (an exclusive `flock`)."""
+    """A disk level of `quota` bytes in directory `path`, gone with the process; or, with a
+    `persistent_id` (a non-empty string: the model's identity digest, whatever changes the KV
+    bytes), kept in named files there (`kvpool-disk.pg<N>.kvp`) in which a later manager with
+    the same id and layout finds the blocks again (`KVCacheManager.disk_recovery`; Design: "A
+    persistent disk level"). One manager at a time owns them (an exclusive `flock`)."""
 
     quota: int
     path: str
@@ -368,17 +361,12 @@ class KVCacheManagerConfig:
                 isinstance(tier_config.path, str | os.PathLike) and os.path.isdir(tier_config.path)
             ):
                 _fail(f"{name}.path", tier_config.path, "an existing directory")
-            if isinstance(tier_config, DiskCacheTierConfig):
-                persistent_id = tier_config.persistent_id
-                if persistent_id is not None and not (
-                    isinstance(persistent_id, str) and persistent_id
-                ):
-                    _fail(
-                        f"{name}.persistent_id",
-                        persistent_id,
-                        "None (a disk level gone with the process) or a non-empty string "
-                        "(the model's identity digest: a persistent disk level)",
-                    )
+            persistent_id = getattr(tier_config, "persistent_id", None)
+            if persistent_id is not None and not (isinstance(persistent_id, str) and persistent_id):
+                allowed = (
+                    "None (unlinked files) or a non-empty string (the model's identity digest)"
+                )
+                _fail(f"{name}.persistent_id", persistent_id, allowed)
 
     def _validate_layers(self) -> None:
         allowed = "a non-empty list of layer configs"

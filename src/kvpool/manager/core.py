@@ -16,7 +16,6 @@ from kvpool.cache import CacheContext, CacheParts, KVCache, RequestState
 from kvpool.cache.timed import TimedKVCache
 from kvpool.config import (
     CacheTier,
-    DiskCacheTierConfig,
     KVCacheDesc,
     KVCacheManagerConfig,
     KVEventsConfig,
@@ -28,7 +27,7 @@ from kvpool.events.publisher import KVEventPublisher
 from kvpool.eviction import ClassedQueue
 from kvpool.layout import KVLayout
 from kvpool.manager.invariants import check_invariants
-from kvpool.manager.recovery import DiskRecovery, disk_identity, recover
+from kvpool.manager.levels import build_levels, start_disk_level
 from kvpool.policies import CLASSES, EvictionPolicy, make_policy
 from kvpool.radix import RadixTree, lost_block
 from kvpool.rebalance import DemandEstimator
@@ -36,10 +35,8 @@ from kvpool.records import LostBlock, Page
 from kvpool.remote import RemoteStatistics, RemoteTier
 from kvpool.stats import Counters, LatencyHistogram, ManagerStats, PoolGroupUsage
 from kvpool.storage.memory import HostMemory
-from kvpool.storage.persistent import PersistentLevelStorage
 from kvpool.storage.pools import LevelStorage
 from kvpool.tiers import StorageManager
-from kvpool.tiers.persistence import DiskRecords, label_bytes
 from kvpool.validation import check_bool, check_callable, check_index, fail
 
 # The request shape that sizes pool groups when the config names none.
@@ -91,43 +88,9 @@ class ManagerCore:
         self.layout = KVLayout(self._config.layers, self._config.tokens_per_block)
         self._min_slots = self._floors()
         ratio = self._initial_ratio()
-        slot_sizes = [group.slot_sizes for group in self.layout.pool_groups]
-        self._levels: list[LevelStorage] = []
-        try:
-            for level, tier_config in enumerate(self._config.cache_tiers):
-                if isinstance(tier_config, DiskCacheTierConfig) and tier_config.persistent_id:
-                    self._levels.append(
-                        PersistentLevelStorage(
-                            tier_config.quota,
-                            slot_sizes,
-                            ratio,
-                            self._min_slots,
-                            path=tier_config.path,
-                            identity=disk_identity(tier_config.persistent_id, self.layout),
-                            label_bytes=label_bytes(self._config.tokens_per_block),
-                            quota_name=f"cache_tiers[{level}].quota",
-                        )
-                    )
-                    continue
-                self._levels.append(
-                    LevelStorage(
-                        tier_config.tier,
-                        tier_config.quota,
-                        slot_sizes,
-                        ratio,
-                        self._min_slots,
-                        disk_path=tier_config.path
-                        if isinstance(tier_config, DiskCacheTierConfig)
-                        else None,
-                        quota_name=f"cache_tiers[{level}].quota",
-                        shared_dir=getattr(tier_config, "shared_dir", None),  # (GPU level)
-                        shared_by_fd=getattr(tier_config, "shared_by_fd", False),
-                    )
-                )
-        except BaseException:
-            for storage in self._levels:
-                storage.close()
-            raise
+        self._levels: list[LevelStorage] = build_levels(
+            self._config, self.layout, ratio, self._min_slots
+        )
         self._storage = StorageManager(self._levels)
         if self._levels[0].pool_groups[0].on_device:  # host levels pinned for the GPU's copies
             for storage in self._levels[1:]:
@@ -161,10 +124,17 @@ class ManagerCore:
         self._publisher: KVEventPublisher | None = None
         if self._config.kv_events is not None:
             self._start_kv_events(self._config.kv_events)
-        self._persist: DiskRecords | None = None
-        self._disk_recovery: DiskRecovery | None = None
-        if isinstance(self._levels[-1], PersistentLevelStorage):
-            self._recover_disk(self._levels[-1])
+        try:  # (a persistent disk level's blocks found again, its records kept from now on)
+            self._persist, self._disk_recovery = start_disk_level(
+                self._levels, self._tree, self._storage, self._policy, self._kv_events
+            )
+        except BaseException:
+            if self._publisher is not None:
+                self._publisher.close()
+            if self._remote is not None:
+                self._remote.close()
+            self._storage.close()
+            raise
         self.rebalancer = DemandEstimator(self._config, self.layout, self._clock)
         self._constrained: dict[int, tuple[object, int, list[float]]] = {}
         self._living: dict[int, KVCache] = {}
@@ -188,31 +158,6 @@ class ManagerCore:
             policy=self._policy,
         )
         self._cache_parts = CacheParts(self._context)
-
-    def _recover_disk(self, storage: PersistentLevelStorage) -> None:
-        """Find the persistent disk level's blocks again (`kvpool.manager.recovery`), then keep
-        its records as pages arrive there."""
-        records = DiskRecords(len(self._levels) - 1, storage.persistent)
-        try:
-            self._disk_recovery = recover(
-                self.layout, self._tree, self._storage, records, self._policy, self._kv_events
-            )
-        except BaseException:
-            if self._publisher is not None:
-                self._publisher.close()
-            if self._remote is not None:
-                self._remote.close()
-            self._storage.close()
-            raise
-        self._persist = self._storage.state.persist = records
-        if self._checks:
-            check_invariants(self.layout, self._storage, self._tree, ())
-
-    @property
-    def disk_recovery(self) -> DiskRecovery | None:
-        """What this manager found on its persistent disk level when it started (None without
-        one): records, pages and blocks recovered, slots discarded by reason, bytes verified."""
-        return self._disk_recovery
 
     def _drop(self, pages: Sequence[Page]) -> Sequence[Page]:
         """The tree's `remove_pages`, telling the eviction policy (last level) and the remote

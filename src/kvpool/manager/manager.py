@@ -13,6 +13,7 @@ from kvpool.config import CacheTier, ReuseScope
 from kvpool.errors import ArgumentError, LogicError, OutOfPagesError
 from kvpool.lookahead import DiskRange, Lookahead, LookaheadPool, RemoteQuery
 from kvpool.manager.rebalancing import Rebalancing
+from kvpool.manager.recovery import DiskRecovery
 from kvpool.radix import Match, lost_block
 from kvpool.records import LostBlock, Page
 from kvpool.remote import RemotePrefix, RemoteStatistics
@@ -275,6 +276,12 @@ class KVCacheManager(Rebalancing):
                 if isinstance(memory, SharedHostMemory):
                     found[shared_pool_file(g, pool)] = memory.handle_path
         return found
+
+    @property
+    def disk_recovery(self) -> DiskRecovery | None:
+        """What this manager found on its persistent disk level when it started (None without
+        one): records, pages and blocks recovered, slots discarded by reason, bytes verified."""
+        return self._disk_recovery
 
     @property
     def num_open_kv_caches(self) -> int:

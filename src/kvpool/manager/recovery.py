@@ -41,7 +41,7 @@ from kvpool.policies import EvictionPolicy
 from kvpool.radix import RadixTree
 from kvpool.records import Block, Page
 from kvpool.remote.values import layout_fingerprint
-from kvpool.storage.persistent import StoredRecord
+from kvpool.storage.slot_file import StoredRecord
 from kvpool.tiers import StorageManager
 from kvpool.tiers.persistence import DiskRecords, Label, decode_scope
 from kvpool.tokens import decode_tokens, encode_tokens, root_key
