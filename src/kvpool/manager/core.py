@@ -28,6 +28,7 @@ from kvpool.eviction import ClassedQueue
 from kvpool.layout import KVLayout
 from kvpool.manager.invariants import check_invariants
 from kvpool.manager.levels import build_levels, start_disk_level
+from kvpool.manager.recovery import DiskRecovery
 from kvpool.policies import CLASSES, EvictionPolicy, make_policy
 from kvpool.radix import RadixTree, lost_block
 from kvpool.rebalance import DemandEstimator
@@ -37,6 +38,7 @@ from kvpool.stats import Counters, LatencyHistogram, ManagerStats, PoolGroupUsag
 from kvpool.storage.memory import HostMemory
 from kvpool.storage.pools import LevelStorage
 from kvpool.tiers import StorageManager
+from kvpool.tiers.persistence import DiskRecords
 from kvpool.validation import check_bool, check_callable, check_index, fail
 
 # The request shape that sizes pool groups when the config names none.
@@ -124,17 +126,7 @@ class ManagerCore:
         self._publisher: KVEventPublisher | None = None
         if self._config.kv_events is not None:
             self._start_kv_events(self._config.kv_events)
-        try:  # (a persistent disk level's blocks found again, its records kept from now on)
-            self._persist, self._disk_recovery = start_disk_level(
-                self._levels, self._tree, self._storage, self._policy, self._kv_events
-            )
-        except BaseException:
-            if self._publisher is not None:
-                self._publisher.close()
-            if self._remote is not None:
-                self._remote.close()
-            self._storage.close()
-            raise
+        self._persist, self._disk_recovery = self._start_disk_level()
         self.rebalancer = DemandEstimator(self._config, self.layout, self._clock)
         self._constrained: dict[int, tuple[object, int, list[float]]] = {}
         self._living: dict[int, KVCache] = {}
@@ -158,6 +150,21 @@ class ManagerCore:
             policy=self._policy,
         )
         self._cache_parts = CacheParts(self._context)
+
+    def _start_disk_level(self) -> tuple[DiskRecords | None, DiskRecovery | None]:
+        """A persistent disk level's blocks found again, its records kept from now on (a
+        method: compiled, `__init__` would read `_kv_events` as the None it starts as)."""
+        try:
+            return start_disk_level(
+                self._levels, self._tree, self._storage, self._policy, self._kv_events
+            )
+        except BaseException:
+            if self._publisher is not None:
+                self._publisher.close()
+            if self._remote is not None:
+                self._remote.close()
+            self._storage.close()
+            raise
 
     def _drop(self, pages: Sequence[Page]) -> Sequence[Page]:
         """The tree's `remove_pages`, telling the eviction policy (last level) and the remote
