@@ -11,7 +11,7 @@ and a line describing the engine's KV cache (`ENGINE {...}`).
  more tokens, as a chat's next turn, then each alone),
  "kill_after_round": PID | null, "max_tokens": 8, "num_blocks": 48 (null: vLLM sizes its pool
  from VLLM_CPU_KVCACHE_SPACE), "prefix_caching": true, "tp": 1, "block_size": 32,
- "max_model_len": 1024}
+ "max_model_len": 1024, "disable_hybrid_kv_cache_manager": false (true: vLLM's flag)}
 
 `ENGINE`: {"kv_cache_size_tokens": vLLM's "KV cache size: N tokens", "num_gpu_blocks": its
 block count, "hybrid_kv_cache_manager": whether vLLM kept its hybrid allocator on}.
@@ -45,6 +45,8 @@ def main() -> None:
     num_blocks = spec.get("num_blocks", 48)
     if num_blocks is not None:
         kwargs["num_gpu_blocks_override"] = num_blocks
+    if spec.get("disable_hybrid_kv_cache_manager"):
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,

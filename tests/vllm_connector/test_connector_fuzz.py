@@ -112,6 +112,7 @@ class Simulation:
         self.fail_rate = fail_rate
         self.next_id = 0
         self.failed_loads = 0
+        self.injected_load_failures = 0
         self.verified_blocks = 0  # (group, block) pairs checked after a load
         self.stores = 0  # prompt-end stores handed to the workers
         self.repeat_hits = 0  # loads of a repeated prompt that served its whole blocks
@@ -263,6 +264,7 @@ class Simulation:
             for t in meta.loads + meta.saves + meta.stores
             if self.rng.random() < self.fail_rate
         }
+        self.injected_load_failures += sum(t.request_id in failing for t in meta.loads)
         original = self.worker._copy
 
         def copy(transfer, save):
@@ -304,13 +306,14 @@ class Simulation:
             self.release(request)
 
     def finish_load(self, request: Request, errors: set[int], failed: set[str]) -> None:
+        failing = request.request_id in failed or errors & {b for t in request.tables for b in t}
+        self.failed_loads += bool(failing)
         if request.state == "aborted while loading":
             self.release(request)
             del self.requests[request.request_id]
             return
         assert request.state == "loading"
-        if request.request_id in failed or errors & {b for t in request.tables for b in t}:
-            self.failed_loads += 1  # vLLM recomputes: from scratch, its blocks released
+        if failing:  # vLLM recomputes: from scratch, its blocks released
             self.release(request)
             request.state, request.num_computed_tokens = "waiting", 0
             return
@@ -389,6 +392,8 @@ def test_random_streams_never_load_wrong_kv_and_leave_nothing_behind(seed, layou
     # (the paths were reached: loads verified, evictions to disk, failed copies, saves)
     assert simulation.verified_blocks > 50
     assert simulation.failed_loads > 0 and counters.failed_saves > 0
+    # (every load kvpool promised is delivered, unless a copy failure was injected)
+    assert simulation.failed_loads == simulation.injected_load_failures
     assert counters.hit_tokens_by_tier["disk"] > 0
     assert counters.saved_blocks > 50
     if simulation.page.windowed:  # prompts' ends stored: a repeated prompt is served whole
@@ -496,26 +501,29 @@ def decode_to(simulation: Simulation, request: Request, num_computed: int) -> No
     assert request.num_computed_tokens == num_computed
 
 
-def test_a_prompts_window_is_stored_after_its_prefill_and_serves_the_prompt_again(tmp_path):
+@pytest.mark.parametrize("length", [100, 96])
+def test_a_prompts_window_is_stored_after_its_prefill_and_serves_the_prompt_again(tmp_path, length):
     """vLLM frees a sliding window's blocks as the request decodes: at its finish the window
     at the prompt's end is gone, so only the store after the prefill lets kvpool serve the
-    same prompt again (its whole blocks, every group verified)."""
+    same prompt again (its whole blocks but the last token's, every group verified)."""
     simulation = Simulation(5, tmp_path, fail_rate=0.0)
-    prompt = simulation.documents[0][:100]
+    prompt = simulation.documents[0][:length]
+    end = (length - 1) // BLOCK * BLOCK  # 96, or 80 (a lookup leaves vLLM the last token)
     first = Request("first", list(prompt))
-    decode_to(simulation, first, 100)  # the prefill: its prompt's end (96) is stored
+    decode_to(simulation, first, length)  # the prefill: its prompt's end is stored
     assert simulation.stores == 1
     decode_to(simulation, first, 150)
     assert first.tables[1][:5] == [NULL] * 5  # (the window's blocks up to the prompt's end)
     simulation.finish(first)
     simulation.step()
     saved = simulation.scheduler.counters.saved_blocks
-    # the store: 6 full-attention blocks and 2 blocks of each window group; the save: the
-    # rest of the full-attention blocks (6..8) and each window's last two (7, 8)
-    assert saved == (6 + 2 + 2) + (3 + 2 + 2)
+    # the store: the full-attention blocks and 2 blocks of each window group; the save: the
+    # rest of the full-attention blocks (up to 8) and each window's last two (7, 8)
+    stored = end // BLOCK + 2 + 2
+    assert saved == stored + (9 - end // BLOCK) + 2 + 2
     again = Request("again", list(prompt))
-    decode_to(simulation, again, 100)
-    assert again.hit == 96 and simulation.repeat_hits == 0  # (not marked as a repeat)
+    decode_to(simulation, again, length)
+    assert again.hit == end and simulation.repeat_hits == 0  # (not marked as a repeat)
     # and the conversation's next turn is served up to the first request's end
     turn = Request("turn", first.all_token_ids[:150] + [7] * 20)
     decode_to(simulation, turn, 170)
@@ -540,4 +548,28 @@ def test_a_save_that_needs_a_window_block_vllm_freed_is_skipped(tmp_path, num_co
         assert not delay and counters.skipped_window_saves == 1
     else:
         assert delay and counters.skipped_window_saves == 0
+    simulation.scheduler.shutdown()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_store_is_committed_once_every_worker_copied_it(tmp_path, fails):
+    """Stores run in each worker after the forward pass; vLLM merges the workers' reports
+    (summed), so the scheduler side commits once all of them copied, and nothing if one
+    failed."""
+    from kvpool.integrations.vllm.worker import KVPoolWorkerMetadata
+
+    simulation = Simulation(5, tmp_path, fail_rate=0.0)
+    scheduler = simulation.scheduler
+    scheduler.num_workers = 2
+    prompt = simulation.documents[0][:100]
+    decode_to(simulation, Request("r", list(prompt)), 100)  # (this worker's report: 1 of 2)
+    assert "r" in scheduler.stores and scheduler.manager.probe_reuse(None, prompt[:96]) == 0
+    other = KVPoolWorkerMetadata(stored={"r": 1}, failed_stores={"r"} if fails else set())
+    output = SimpleNamespace(
+        finished_sending=None, finished_recving=None, kv_connector_worker_meta=other
+    )
+    scheduler.update_connector_output(output)
+    assert "r" not in scheduler.stores
+    assert scheduler.manager.probe_reuse(None, prompt[:96]) == (0 if fails else 96)
+    assert scheduler.counters.failed_saves == int(fails)
     simulation.scheduler.shutdown()
