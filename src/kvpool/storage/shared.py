@@ -89,7 +89,7 @@ class SharedHostMemory(HostMemory):
             raise
 
     def _describe(self) -> str:
-        return f"at {self.path}" if self.path is not None else f"(memfd {self._name!r})"
+        return f"file {self.path}" if self.path is not None else f"(memfd {self._name!r})"
 
     def _allocate(self, start: int, nbytes: int) -> None:
         """Give [start, start + nbytes) of the file its memory now: a RAM file system that
