@@ -100,6 +100,15 @@ def test_a_hybrid_model_maps_each_vllm_group_to_the_kvpool_layer_group_of_its_li
         assert end == max(0, history - 128 + 1) // 32
 
 
+def test_host_memory_too_small_for_a_hybrid_models_pool_groups_is_named():
+    # (1 full layer, 2 sliding ones: pages of different sizes, two kvpool pool groups of 2 MiB
+    # units each)
+    page = PageFormat.from_vllm(vllm_config(), config(full(), (window(), 2)))
+    settings = ConnectorSettings.parse({"host_bytes": 2 << 20})
+    with pytest.raises(ConfigError, match="cache_tiers\\[0\\] is host_bytes"):
+        SchedulerSide(settings, page, "m")
+
+
 def test_a_sliding_window_with_extra_retained_tokens_keeps_them_too():
     page = PageFormat.from_vllm(vllm_config(), config(full(), window(100, extra_retained_tokens=3)))
     assert page.groups[1].window == 103

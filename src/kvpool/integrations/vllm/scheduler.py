@@ -31,7 +31,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.errors import KVPoolError
+from kvpool.errors import ConfigError, KVPoolError
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata, Transfer
 from kvpool.integrations.vllm.scoping import AdapterIdentities, reusable, reuse_scope
 from kvpool.integrations.vllm.settings import NULL_BLOCK_ID, ConnectorSettings, PageFormat
@@ -84,7 +84,13 @@ class SchedulerSide:
         self.page = page
         self.block_size = page.block_size
         config = page.manager_config(settings, model_id)
-        self.manager = KVCacheManager(config)
+        try:
+            self.manager = KVCacheManager(config)
+        except ConfigError as error:  # (its levels are the connector's settings)
+            raise ConfigError(
+                f"kv_connector_extra_config does not fit this model ({error}; "
+                "cache_tiers[0] is host_bytes, cache_tiers[1] disk_bytes)"
+            ) from error
         # kvpool's layer group of each vLLM group; where a block is (host, disk): a full
         # attention group's page if there is one (a window's pages are only its tail)
         self.layer_groups = page.layer_groups(KVLayout(config.layers, config.tokens_per_block))
