@@ -197,13 +197,10 @@ def test_tensor_parallel_workers_each_save_and_load_their_own_heads(model, tmp_p
     assert stats_of(stats)["loaded_blocks"] == 4 * HITS // BLOCK
 
 
-def test_a_gemma3_style_model_keeps_vllms_hybrid_allocator_and_its_kv_capacity(tmp_path):
-    """Three sliding-window layers (64 tokens) and a full-attention one, prompts of 700 tokens:
-    with kvpool's connector vLLM keeps its hybrid KV-cache allocator (a group per layer, the
-    sliding ones freeing what leaves their window), so its KV capacity is vLLM's alone; the
-    tokens are vLLM's alone, and kvpool serves the second pass (vLLM's own prefix cache off:
-    every cached token is kvpool's) and the conversations' next turns."""
-    directory = tmp_path / "gemma3"
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> str:
+    """Three sliding-window layers (64 tokens) and a full-attention one."""
+    directory = tmp_path_factory.mktemp("gemma3")
     config = transformers.Gemma3TextConfig(
         hidden_size=256,
         intermediate_size=512,
@@ -218,6 +215,16 @@ def test_a_gemma3_style_model_keeps_vllms_hybrid_allocator_and_its_kv_capacity(t
     )
     torch.manual_seed(0)
     transformers.Gemma3ForCausalLM(config).save_pretrained(directory)
+    return str(directory)
+
+
+def test_a_gemma3_style_model_keeps_vllms_hybrid_allocator_and_its_kv_capacity(gemma3, tmp_path):
+    """With kvpool's connector vLLM keeps its hybrid KV-cache allocator (a group per layer, the
+    sliding ones freeing what leaves their window), so its KV capacity is vLLM's alone; the
+    tokens are vLLM's alone (prompts of 700 tokens, far past the window), and kvpool serves the
+    second pass (vLLM's own prefix cache off: every cached token is kvpool's) and the
+    conversations' next turns."""
+    directory = gemma3
     rounds = ["one", "one", "continue:20"]  # (the third: each prompt, its output, 20 more)
     spec = {"num_blocks": None, "prefix_caching": False}  # (vLLM sizes its own pool)
     alone, alone_engine, _ = run_engine_process(str(directory), None, rounds, **spec)
@@ -245,3 +252,21 @@ def test_a_gemma3_style_model_keeps_vllms_hybrid_allocator_and_its_kv_capacity(t
     # the window at the hit's end (the second pass: 21 + 3 x 2; the next turn: 22 + 3 x 2)
     assert counters["loaded_blocks"] == 4 * (21 + 6) + 4 * (22 + 6)
     assert counters["failed_saves"] == 0 and counters["skipped_window_saves"] == 0
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel workers need 2 cores")
+def test_tensor_parallel_workers_store_and_load_every_group_of_a_hybrid_model(
+    gemma3, tmp_path, monkeypatch
+):
+    """Each worker copies its own KV head of every group; a prompt's store is committed once
+    both workers reported it (vLLM sums their worker metadata)."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    stats = tmp_path / "stats.json"
+    extra = {"host_bytes": 64 << 20, "stats_path": str(stats)}
+    spec = {"num_blocks": None, "prefix_caching": False, "tp": 2}
+    rounds, engine, _ = run_engine_process(gemma3, extra, ["one", "one"], **spec)
+    assert engine["hybrid_kv_cache_manager"]
+    assert tokens(rounds[1]) == tokens(rounds[0])
+    assert cached(rounds[1]) == [HITS] * 4
+    counters = stats_of(stats)
+    assert counters["loaded_blocks"] == 4 * (21 + 6) and counters["failed_saves"] == 0
