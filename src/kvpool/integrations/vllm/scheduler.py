@@ -98,6 +98,7 @@ class SchedulerSide:
         full = [lg for group, lg in groups if group.window is None]
         self._tier_group = (full or self.layer_groups)[0]
         self.num_workers = num_workers
+        self._windowed = page.windowed  # (prompts are stored after their prefill)
         self.shared = self.manager.shared_memory()
         self.adapters = AdapterIdentities()
         self.loads: dict[str, _Pending] = {}
@@ -176,7 +177,7 @@ class SchedulerSide:
         return tiers
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if self.page.windowed and reusable(request):
+        if self._windowed and reusable(request):
             self._prompts[request.request_id] = request  # (its prompt's end is stored later)
         pending = self.loads.get(request.request_id)
         if pending is None or pending.in_flight:
@@ -200,10 +201,14 @@ class SchedulerSide:
         block_ids: list[list[int]] = []
         slots: list[list[int]] = []
         for ids, group in zip(blocks.get_block_ids(), self.layer_groups, strict=True):
-            base = cache.get_base_page_indices(group)
-            wanted = [i for i in range(first, min(last, len(ids))) if ids[i] != NULL_BLOCK_ID]
-            block_ids.append([int(ids[i]) for i in wanted])
-            slots.append([int(base[i]) if i < len(base) else -1 for i in wanted])
+            base = cache.get_base_page_indices(group)[first:last].tolist()
+            pairs = [
+                (block, base[i] if i < len(base) else -1)
+                for i, block in enumerate(ids[first:last])
+                if block != NULL_BLOCK_ID
+            ]
+            block_ids.append([block for block, _ in pairs])
+            slots.append([slot for _, slot in pairs])
         return Transfer(request_id, block_ids, slots)
 
     def _release_load(self, request_id: str) -> None:
@@ -277,12 +282,14 @@ class SchedulerSide:
         ids: list[list[int]] = []
         slots: list[list[int]] = []
         for vllm, group in zip(block_ids, self.layer_groups, strict=True):
-            base = cache.get_base_page_indices(group)
-            wanted = [i for i in range(first, last) if base[i] >= 0]
-            if any(i >= len(vllm) or vllm[i] == NULL_BLOCK_ID for i in wanted):
+            base = cache.get_base_page_indices(group)[first:last].tolist()
+            held = list(vllm[first:last])
+            pairs = [(held[i] if i < len(held) else NULL_BLOCK_ID, s) for i, s in enumerate(base)]
+            pairs = [(block, slot) for block, slot in pairs if slot >= 0]
+            if any(block == NULL_BLOCK_ID for block, _ in pairs):
                 return None
-            ids.append([int(vllm[i]) for i in wanted])
-            slots.append([int(base[i]) for i in wanted])
+            ids.append([block for block, _ in pairs])
+            slots.append([slot for _, slot in pairs])
         return Transfer(request_id, ids, slots)
 
     def _plan_stores(
