@@ -4,7 +4,8 @@ events record the order kvpool uses them in. Checked: a copy waits for the engin
 before the call and the engine's stream waits for the copy, with no device-wide or per-call
 synchronization; the host waits on a copy's own event only before the CPU touches its bytes;
 scattered slots go in few launches; host levels are pinned (and follow resizes) or fall back with
-one log line; a disk and the GPU exchange pages through two pinned buffers in turn."""
+one log line; a disk and the GPU exchange pages through two pinned buffers in turn (the fuzzer
+also with buffers smaller than a slot). `test_cuda_edges.py` has what surrounds this protocol."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from kvpool import (  # noqa: E402
     KVCacheManager,
     LogicError,
 )
-from kvpool.storage import copier, device  # noqa: E402
+from kvpool.storage import cuda_copies, device  # noqa: E402
 from tests import fake_cuda  # noqa: E402
 from tests.engine_check import CheckingEngine  # noqa: E402
 from tests.fuzz.fuzzer import fuzz  # noqa: E402
@@ -134,7 +135,7 @@ def test_the_host_waits_for_a_copy_only_before_the_cpu_touches_its_bytes(cuda):
 
 @pytest.mark.parametrize("direction", ["to-gpu", "from-gpu", "within-gpu"])
 def test_scattered_slots_move_in_few_launches(cuda, direction):
-    from kvpool.storage.memory import DeviceMemory, HostMemory
+    from kvpool.storage import DeviceMemory, HostMemory
 
     size = 256
     gpu, other_gpu, host = DeviceMemory(96 * size), DeviceMemory(96 * size), HostMemory(96 * size)
@@ -146,11 +147,11 @@ def test_scattered_slots_move_in_few_launches(cuda, direction):
         "from-gpu": (gpu, host, list(zip(scattered, host_runs, strict=True))),
         "within-gpu": (gpu, other_gpu, list(zip(scattered, host_runs, strict=True))),
     }[direction]
-    src = copier._tensor(source).view(-1, size)
+    src = cuda_copies._tensor(source).view(-1, size)
     src.copy_(torch.randint(0, 256, src.shape, dtype=torch.uint8))  # (on the "engine" stream)
     order = device.DeviceOrder()
-    order.issue(order.mark(), copier._batch(source, destination, size, pairs))
-    dst = copier._tensor(destination).view(-1, size)
+    order.issue(order.mark(), cuda_copies.batch(source, destination, size, pairs))
+    dst = cuda_copies._tensor(destination).view(-1, size)
     for s, d in pairs:
         assert torch.equal(dst[d], src[s]), (s, d)
     launches = [entry[2] for entry in cuda.ops("launch")]
@@ -166,11 +167,18 @@ def test_host_levels_are_pinned_and_stay_pinned_across_resizes(cuda):
     host_memories = [
         mem for group in m._storage.state.levels[1].pool_groups for mem in group.memories
     ]
-    assert all(mem.pinned == mem.size for mem in host_memories)
-    assert sum(cuda.registered.values()) == sum(mem.size for mem in host_memories)
-    assert m.resize(1, 2 * MiB)  # a smaller host level: re-pinned at its new size
-    assert all(mem.pinned == mem.size for mem in host_memories)
-    assert sum(cuda.registered.values()) == 2 * MiB
+
+    def pinned_pieces():
+        """Every used byte registered, in whole pieces of whole slots, the last one at most
+        reaching a piece past the used range; the driver's record the same."""
+        for mem in host_memories:
+            assert mem.size <= mem.pinned < mem.size + mem.pin_piece
+            assert mem.pin_piece % (64 * 1024) == 0
+        assert sum(cuda.registered.values()) == sum(mem.pinned for mem in host_memories)
+
+    pinned_pieces()
+    assert m.resize(1, 2 * MiB)  # a smaller host level: still pinned at its new size
+    pinned_pieces()
     shutdown(m)
     assert cuda.registered == {}  # unpinned before the memory went
 
@@ -190,7 +198,7 @@ def test_a_driver_that_refuses_pinning_is_logged_once_and_the_memory_works(cuda,
 def test_a_disk_and_the_gpu_exchange_pages_through_two_pinned_buffers_in_turn(
     cuda, monkeypatch, tmp_path
 ):
-    monkeypatch.setattr(copier, "STAGING_BYTES", 4 * 64 * 1024)  # 4 pages a buffer
+    monkeypatch.setattr(cuda_copies, "STAGING_BYTES", 4 * 64 * 1024)  # 4 pages a buffer
     tiers = [GpuCacheTierConfig(2 * MiB), DiskCacheTierConfig(8 * MiB, str(tmp_path))]
     m = KVCacheManager(make_config(LAYERS, tiers, TPB))
     round_trip(m, CheckingEngine(m), blocks=20, pushers=3)  # to the disk and back
@@ -224,9 +232,43 @@ def test_naming_a_stream_without_a_cuda_level_is_refused():
     shutdown(m)
 
 
-@pytest.mark.parametrize("layout", ["gpu-host", "gpu-host-disk", "hybrid", "tight"])
-def test_the_fuzzer_passes_through_the_device_paths(cuda, layout):
+SMALL_STAGING = {"gpu-host-disk": 48 * 1024, "hybrid": 24 * 1024, "tight": 48 * 1024}
+"""Staging buffers smaller than every slot of the layout (64 KiB; 32 and 64 KiB in hybrid)."""
+
+
+@pytest.mark.parametrize(
+    ("layout", "small_staging"),
+    [
+        ("gpu-host", False),
+        ("gpu-host-disk", False),
+        ("gpu-host-disk", True),
+        ("hybrid", True),
+        ("tight", False),
+        ("tight", True),
+    ],
+)
+def test_the_fuzzer_passes_through_the_device_paths(cuda, monkeypatch, layout, small_staging):
+    if small_staging:
+        monkeypatch.setattr(cuda_copies, "STAGING_BYTES", SMALL_STAGING[layout])
+    drains, fits = [], []
+    real_drain, real_fit = device.DeviceOrder.drain, cuda_copies.StagingBuffers.fit
+    monkeypatch.setattr(
+        device.DeviceOrder, "drain", lambda order: (drains.append(1), real_drain(order))[1]
+    )
+    monkeypatch.setattr(
+        cuda_copies.StagingBuffers,
+        "fit",
+        lambda buffers, size: (fits.append((buffers.nbytes, size)), real_fit(buffers, size))[1],
+    )
     stats = fuzz(layout, 2, 1000)
     assert stats["pages moved between levels"] > 0 and stats["records checked"] > 50_000
     assert len(cuda.ops("launch")) > 0
-    assert not cuda.ops("device synchronize", "stream synchronize")
+    # The host waits for the whole copy stream only where memory goes (a resize, the close).
+    assert not cuda.ops("device synchronize")
+    assert len(cuda.ops("stream synchronize")) == len(drains) > 0
+    transfers = cuda.ops("transfer")  # (never from pageable memory)
+    assert transfers and all(entry[3] == "pinned" for entry in transfers)
+    if layout != "gpu-host":  # disk pages went through the staging buffers ...
+        assert fits
+    if small_staging:  # ... made again at a slot's size when it was larger
+        assert any(size > nbytes for nbytes, size in fits)

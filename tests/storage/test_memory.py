@@ -13,7 +13,8 @@ import pytest
 
 from kvpool.errors import ArgumentError, StorageError
 from kvpool.storage import DeviceMemory, DiskMemory, HostMemory
-from kvpool.storage.memory import HUGE_PAGE_SIZE, cuda_available
+from kvpool.storage.device_memory import cuda_available
+from kvpool.storage.memory import HUGE_PAGE_SIZE
 
 MiB = 1 << 20
 

@@ -1,4 +1,5 @@
-"""The memory behind each cache level: host RAM, a disk file, or accelerator memory.
+"""The memory behind each cache level: host RAM or a disk file (`device_memory.DeviceMemory`
+is the GPU level's).
 
 Each pool of each level owns one `Memory` of `size` bytes that can be resized at run time:
 - `HostMemory` reserves address space once (anonymous private mmap), so growing only moves the
@@ -8,27 +9,24 @@ Each pool of each level owns one `Memory` of `size` bytes that can be resized at
   2 MiB pages make first touch, copies and that hand-back several times cheaper than 4 KiB ones.
 - `DiskMemory` is an unlinked temporary file; growing reserves the disk blocks up front
   (posix_fallocate), so "disk full" surfaces at resize time, not in the middle of an eviction.
-- `DeviceMemory` is torch CUDA memory when a GPU is present, else host memory with the same
-  interface. CUDA memory is reallocated on resize, so its addresses move (re-fetch views), and
-  a resize briefly needs the old and the new size at once, plus a device copy of what is kept
-  (at the device's memory bandwidth: about a millisecond per GiB on an H200).
 
-Where a GPU level exists, host levels are pinned (`HostMemory.pin`: the used range registered
-with the CUDA driver), so copies to and from the GPU are asynchronous DMA.
+Where a GPU level exists, host levels are pinned (`HostMemory.pin`): registered with the CUDA
+driver so copies to and from the GPU are asynchronous DMA. Registering page-locks, so a pinned
+level is resident (committed, zero-filled) from the start rather than on touch. It is
+registered in pieces of whole slots (`PIN_CHUNK`), so a resize registers or unregisters only the
+pieces past the cut (after `drain`: no copy still uses them), and a copy never spans two.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import importlib.util
+import math
 import mmap
 import os
-import sys
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +38,7 @@ PAGE_SIZE = mmap.PAGESIZE
 # Not exported by Python 3.11's mmap module; the value is the same on every Linux architecture.
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 HUGE_PAGE_SIZE = 2 << 20  # a transparent huge page on x86-64 and (4 KiB-page) arm64
+PIN_CHUNK = 64 << 20  # host memory is registered with the CUDA driver in pieces about this big
 
 Bytes = npt.NDArray[np.uint8]
 
@@ -124,8 +123,13 @@ def _reserve(size: int) -> mmap.mmap:
     return reserved
 
 
+def _no_copies() -> None:
+    """A memory no GPU copy uses: nothing to wait for."""
+
+
 class HostMemory(Memory):
-    """Host RAM: one anonymous mapping reserved at `max_size`; pages become resident on touch."""
+    """Host RAM: one anonymous mapping reserved at `max_size`; pages become resident on touch
+    (all registered ones at once, where it is pinned)."""
 
     kind = "host"
 
@@ -140,7 +144,12 @@ class HostMemory(Memory):
         self.array: Bytes = np.frombuffer(self._map, dtype=np.uint8, count=max_size)
         """The whole reservation as a writable array; only [0, size) is in use."""
         self._wants_pin = False
-        self.pinned = 0  # bytes registered with the CUDA driver, from the start
+        self._pin_refused = False
+        self._pieces = 0  # registered pieces, from the start
+        self._pin_unit = 1
+        self.drain: Callable[[], None] = _no_copies
+        """Waits for the GPU copies that may still use this memory (set by the copier):
+        called before a registered piece is unregistered, or the memory remapped or closed."""
 
     def _reserve(self, size: int) -> mmap.mmap:
         return _reserve(size)
@@ -150,29 +159,65 @@ class HostMemory(Memory):
         assert self._map is not None
         self._map.madvise(mmap.MADV_DONTNEED, start, nbytes)
 
+    @property
+    def pin_unit(self) -> int:
+        """What a registered piece holds whole (a pool's slot size): no slot, and so no copy of
+        whole slots, spans two registrations (a copy that did would be a pageable one)."""
+        return self._pin_unit
+
+    @pin_unit.setter
+    def pin_unit(self, unit: int) -> None:
+        if self._pieces:
+            raise StorageError(errno.EBUSY, "the pin unit of registered memory cannot change")
+        self._pin_unit = max(int(unit), 1)
+
+    @property
+    def pin_piece(self) -> int:
+        """Bytes of one registered piece: whole pages and whole `pin_unit`s, about
+        `PIN_CHUNK` (one unit where that is larger)."""
+        unit = math.lcm(self._pin_unit, PAGE_SIZE)
+        return max(1, PIN_CHUNK // unit) * unit
+
+    @property
+    def pinned(self) -> int:
+        """Bytes registered with the CUDA driver, from the start: the pieces that cover the
+        used range (the last one may reach past it), 0 where not pinned or refused."""
+        return min(self._pieces * self.pin_piece, self._max_size)
+
     def pin(self) -> bool:
-        """Page-lock the used range for the GPU (and keep it so across resizes). False, with
-        one log line, where the driver refuses: the memory works, pageable."""
+        """Page-lock the used range for the GPU (and keep it so across resizes, piece by
+        piece). False, with one log line, where the driver refuses: the memory works, pageable."""
         self._wants_pin = True
-        return self._pin()
+        self._pin_to(self._size)
+        return self.pinned >= self._size
 
-    def _pin(self) -> bool:
+    def _pin_to(self, size: int) -> None:
+        """Register pieces until [0, size) is covered (where pinning is wanted and works)."""
         from kvpool.storage import device
 
-        if self.pinned or not self._wants_pin or self._map is None:
-            return bool(self.pinned)
-        # (A whole page at least: the driver registers pages.)
-        nbytes = min(max(-(-self._size // PAGE_SIZE) * PAGE_SIZE, PAGE_SIZE), self._max_size)
-        if device.pin(self.array.ctypes.data, nbytes):
-            self.pinned = nbytes
-        return bool(self.pinned)
+        if not self._wants_pin or self._pin_refused or self._map is None:
+            return
+        piece, base = self.pin_piece, self.array.ctypes.data
+        while self._pieces * piece < size:
+            start = self._pieces * piece
+            if not device.pin(base + start, min(piece, self._max_size - start)):
+                self._pin_refused = True  # (no retry per resize: the driver said why once)
+                return
+            self._pieces += 1
 
-    def _unpin(self) -> None:
+    def _unpin_past(self, size: int) -> None:
+        """Unregister the pieces wholly past `size`, once no copy uses them."""
         from kvpool.storage import device
 
-        if self.pinned:
-            device.unpin(self.array.ctypes.data)
-            self.pinned = 0
+        piece = self.pin_piece
+        keep = -(-size // piece)
+        if self._pieces <= keep:
+            return
+        self.drain()
+        base = self.array.ctypes.data
+        while self._pieces > keep:
+            self._pieces -= 1
+            device.unpin(base + self._pieces * piece)
 
     @property
     def size(self) -> int:
@@ -184,22 +229,26 @@ class HostMemory(Memory):
 
     def resize(self, new_size: int) -> None:
         """Move the logical end. Within the reservation addresses stay; growing past it maps a
-        larger reservation and copies the contents (addresses change: re-fetch views)."""
+        larger reservation and copies the contents (addresses change: re-fetch views). Pinned,
+        only the pieces past the cut are unregistered (a shrink) or registered (a growth)."""
         _check_size("new_size", new_size)
         if self._map is None:
             raise StorageError(errno.EBADF, "the host memory is closed")
-        self._unpin()  # (a pinned range changes with the size; locked pages cannot go back)
         try:
             if new_size > self._max_size:
+                self._unpin_past(0)  # (after the copies: the contents move)
                 self._remap(new_size)
             elif new_size < self._size:
-                start = -(-new_size // PAGE_SIZE) * PAGE_SIZE
+                self._unpin_past(new_size)
+                # Registered pages stay resident: handing them back would leave the GPU's
+                # mapping on the old pages while the CPU faults in new ones.
+                start = max(-(-new_size // PAGE_SIZE) * PAGE_SIZE, self.pinned)
                 end = min(-(-self._size // PAGE_SIZE) * PAGE_SIZE, self._max_size)
                 if start < end:
                     self._release(start, end - start)
             self._size = new_size
         finally:
-            self._pin()
+            self._pin_to(self._size)
 
     def _remap(self, new_max: int) -> None:
         old_map, old_array = self._map, self.array
@@ -224,7 +273,7 @@ class HostMemory(Memory):
     def close(self) -> None:
         if self._map is None:
             return
-        self._unpin()
+        self._unpin_past(0)
         self.array = np.empty(0, dtype=np.uint8)
         self._size = 0
         # A caller may still hold a view: then the mapping goes when the last view is dropped.
@@ -377,108 +426,3 @@ class DiskMemory(Memory):
             f"disk level {op} of {nbytes} bytes at offset {offset} in {self.directory} failed: "
             f"{os.strerror(code)}",
         )
-
-
-CUDA_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")  # NVIDIA's driver, AMD's (ROCm)
-
-
-def cuda_available() -> bool:
-    """True when torch is installed and sees a CUDA (or ROCm) device. Torch is imported only
-    when it is imported already or a GPU driver's device file exists: importing it costs
-    seconds and hundreds of MiB, which a machine without a GPU should not pay."""
-    if "torch" not in sys.modules:
-        if importlib.util.find_spec("torch") is None:
-            return False
-        if not any(os.path.exists(path) for path in CUDA_DEVICE_FILES):
-            return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-def _cuda_bytes(size: int) -> Any:
-    """An uninitialized CUDA byte tensor; `StorageError` (ENOMEM) when the device is full."""
-    import torch
-
-    try:
-        return torch.empty(size, dtype=torch.uint8, device="cuda")
-    except RuntimeError as error:  # torch.OutOfMemoryError is one
-        free, total = torch.cuda.mem_get_info()
-        raise StorageError(
-            errno.ENOMEM,
-            f"cannot allocate {size} bytes ({size / 2**30:.1f} GiB) of CUDA memory: "
-            f"{free} bytes free of {total}",
-        ) from error
-
-
-class DeviceMemory(Memory):
-    """Accelerator memory: a torch CUDA byte tensor, or `HostMemory` when there is no GPU."""
-
-    def __init__(self, size: int, max_size: int | None = None) -> None:
-        _check_size("size", size)
-        self._host: HostMemory | None = None
-        self._tensor: Any = None
-        if cuda_available():
-            self.kind = "cuda"
-            self._tensor = _cuda_bytes(size)
-        else:
-            self.kind = "host (no CUDA device)"
-            self._host = HostMemory(size, max_size)
-
-    @property
-    def is_cuda(self) -> bool:
-        return self._host is None
-
-    @property
-    def host(self) -> HostMemory:
-        """The host memory standing in for the device (only when there is no GPU)."""
-        if self._host is None:
-            raise StorageError(errno.EINVAL, "device memory is CUDA memory, not host memory")
-        return self._host
-
-    @property
-    def tensor(self) -> Any:
-        """The CUDA byte tensor (only with a GPU; its address changes on resize)."""
-        if self._host is not None:
-            raise StorageError(errno.EINVAL, "device memory is host memory (no CUDA device)")
-        return self._tensor
-
-    @property
-    def size(self) -> int:
-        if self._host is not None:
-            return self._host.size
-        return 0 if self._tensor is None else int(self._tensor.numel())
-
-    def resize(self, new_size: int) -> None:
-        _check_size("new_size", new_size)
-        if self._host is not None:
-            self._host.resize(new_size)
-            return
-
-        old = self._tensor
-        keep = min(new_size, int(old.numel()))
-        fresh = _cuda_bytes(new_size)
-        fresh[:keep].copy_(old[:keep])
-        self._tensor = fresh
-
-    def read(self, offset: int, nbytes: int) -> Bytes:
-        if self._host is not None:
-            return self._host.read(offset, nbytes)
-        self._check_range(offset, nbytes)
-        result: Bytes = self._tensor[offset : offset + nbytes].cpu().numpy()
-        return result
-
-    def write(self, offset: int, data: Bytes | bytes) -> None:
-        if self._host is not None:
-            self._host.write(offset, data)
-            return
-        import torch
-
-        source = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
-        self._check_range(offset, source.size)
-        self._tensor[offset : offset + source.size].copy_(torch.from_numpy(source.copy()))
-
-    def close(self) -> None:
-        if self._host is not None:
-            self._host.close()
-        self._tensor = None

@@ -16,7 +16,8 @@ from typing import Any
 
 from kvpool.config import CacheTier
 from kvpool.errors import ArgumentError, ConfigError, LogicError, StorageError
-from kvpool.storage.memory import DeviceMemory, DiskMemory, HostMemory, Memory
+from kvpool.storage.device_memory import DeviceMemory
+from kvpool.storage.memory import DiskMemory, HostMemory, Memory
 from kvpool.storage.shared import SharedHostMemory, shared_pool_file
 from kvpool.storage.slots import SlotAllocator
 
@@ -143,7 +144,10 @@ class PoolGroup:
         self.memories: list[Memory] = []
         try:
             for pool, size in enumerate(self.slot_sizes):
-                self.memories.append(make_memory(pool, num_slots * size))
+                memory = make_memory(pool, num_slots * size)
+                if isinstance(memory, HostMemory):
+                    memory.pin_unit = size  # (registered pieces hold whole slots)
+                self.memories.append(memory)
         except BaseException:
             self.close()
             raise

@@ -32,6 +32,10 @@ class StorageState:
         # The page in each occupied slot, per level and pool group.
         self.pages = [[{} for _ in level.pool_groups] for level in self.levels]  # type: list[list[dict[int, Page]]]
         self.copier = Copier()
+        # (the memories' own resizes, reads and closes ordered with the copies: `attach`)
+        self.copier.attach(
+            [memory for level in self.levels for g in level.pool_groups for memory in g.memories]
+        )
         # Called with dropped pages; returns the other pages that lost their block with them.
         self.on_drop: Callable[[Sequence[Page]], Sequence[Page]] = lambda pages: ()
         self.num_dropped = 0
