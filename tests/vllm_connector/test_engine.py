@@ -270,3 +270,19 @@ def test_tensor_parallel_workers_store_and_load_every_group_of_a_hybrid_model(
     assert cached(rounds[1]) == [HITS] * 4
     counters = stats_of(stats)
     assert counters["loaded_blocks"] == 4 * (21 + 6) and counters["failed_saves"] == 0
+
+
+def test_a_hybrid_models_prompts_are_shared_through_valkey(gemma3, tmp_path, valkey):
+    """Every group's pages go to the server (a window's: those kept at the stored prompt's
+    end), and a new engine loads them all from there."""
+    url = f"valkey://127.0.0.1:{valkey.port}"
+    spec = {"num_blocks": None, "prefix_caching": False}
+    first = run_engine(gemma3, {"host_bytes": 64 << 20, "remote_url": url}, ["one"], **spec)
+    stats = tmp_path / "stats.json"
+    extra = {"host_bytes": 64 << 20, "remote_url": url, "stats_path": str(stats)}
+    second = run_engine(gemma3, extra, ["one"], **spec)  # a new process: nothing local
+    assert tokens(second[0]) == tokens(first[0])
+    assert cached(second[0]) == [HITS] * 4
+    counters = stats_of(stats)
+    assert counters["hit_tokens_by_tier"]["remote"] == 4 * HITS
+    assert counters["loaded_blocks"] == 4 * (21 + 6)
