@@ -97,7 +97,7 @@ def moves_once(pages: int, slot_kib: int) -> dict[str, float]:
         cache.close()
     manager.clear_reusable_blocks()
     manager.shutdown()
-    to_host, to_gpu = plain_copy_gbps(moved_out * slot)
+    to_gpu, to_host = plain_copy_gbps(moved_out * slot)  # (its order: host -> GPU first)
     return {
         "pages_out": moved_out,
         "pages_in": moved_in,

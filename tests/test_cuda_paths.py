@@ -47,7 +47,10 @@ def test_the_reference_engine_over_cuda_pages_matches_transformers(cuda):
 
 
 def test_the_transformers_cache_over_cuda_pages_matches_dynamic_cache(cuda):
-    from kvpool.integrations import transformers as kvt
+    try:  # (refused by name with a transformers older than it supports: a lent device's)
+        from kvpool.integrations import transformers as kvt
+    except ImportError as error:
+        pytest.skip(str(error))
 
     config = transformers.LlamaConfig(**COMMON, max_position_embeddings=256)
     torch.manual_seed(0)

@@ -21,6 +21,7 @@ from kvpool.layout import BufferPlacement
 from kvpool.lifecycles import SsmLifeCycle
 from kvpool.manager import KVCacheManager
 from kvpool.records import Page
+from kvpool.storage.device import pinned
 from kvpool.storage.slots import wait_before
 from kvpool.tokens import Token
 
@@ -240,11 +241,13 @@ class Records:
         if self.device is None:
             self._shaped()[rows, offsets] = values
             return
-        torch, device = self.torch, self.device
-        index = (torch.as_tensor(rows, device=device), torch.as_tensor(offsets, device=device))
-        self._shaped()[index] = (
-            torch.as_tensor(values).to(device).expand(len(rows), *self._shaped().shape[2:])
-        )
+        index = (self._sent(rows), self._sent(offsets))
+        self._shaped()[index] = self._sent(values).expand(len(rows), *self._shaped().shape[2:])
+
+    def _sent(self, values: Any) -> Any:
+        """`values` on the device without a host wait (pinned, non-blocking), as an engine
+        queues its writes: a blocking copy would wait for the kernels queued before it."""
+        return pinned(self.torch.as_tensor(values)).to(self.device, non_blocking=True)
 
     def get(self, rows: Any, offsets: Any) -> Any:
         if self.device is None:
@@ -262,4 +265,4 @@ class Records:
         if self.device is None:
             self.flat[row].reshape(-1, 4)[:] = values
         else:
-            self.flat[row].view(-1, 4)[:] = self.torch.as_tensor(values).to(self.device)
+            self.flat[row].view(-1, 4)[:] = self._sent(values)
