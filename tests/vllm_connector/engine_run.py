@@ -11,7 +11,8 @@ and a line describing the engine's KV cache (`ENGINE {...}`).
  more tokens, as a chat's next turn, then each alone),
  "kill_after_round": PID | null, "max_tokens": 8, "num_blocks": 48 (null: vLLM sizes its pool
  from VLLM_CPU_KVCACHE_SPACE), "prefix_caching": true, "tp": 1, "block_size": 32,
- "max_model_len": 1024, "disable_hybrid_kv_cache_manager": false (true: vLLM's flag)}
+ "max_model_len": 1024, "disable_hybrid_kv_cache_manager": false (true: vLLM's flag),
+ "kv_load_failure_policy": "recompute"}
 
 `ENGINE`: {"kv_cache_size_tokens": vLLM's "KV cache size: N tokens", "num_gpu_blocks": its
 block count, "hybrid_kv_cache_manager": whether vLLM kept its hybrid allocator on}.
@@ -36,7 +37,7 @@ def main() -> None:
         transfer = {
             "kv_connector": connector,
             "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
+            "kv_load_failure_policy": spec.get("kv_load_failure_policy", "recompute"),
             "kv_connector_extra_config": spec["extra"],
         }
         if connector == "KVPoolConnector":
@@ -93,6 +94,7 @@ def main() -> None:
                     "cached": o.num_cached_tokens,
                     "preemptions": getattr(o.metrics, "num_preemptions", 0),
                     "prompt": len(p["prompt_token_ids"]),
+                    "finish_reason": o.outputs[0].finish_reason,
                 }
                 for o, p in zip(outputs, inputs, strict=True)
             ]

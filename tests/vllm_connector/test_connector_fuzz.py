@@ -75,6 +75,7 @@ class Request:
     outputs_left: int = 0
     hit: int = 0  # tokens the last load served
     repeat: bool = False  # its prompt repeats an earlier one's
+    load_failed: bool = False  # (vLLM recomputes it: the connector must not offer it again)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.all_token_ids)
@@ -225,6 +226,7 @@ class Simulation:
         assert matched is not None and matched % BLOCK == 0
         assert matched < len(request.all_token_ids)
         assert is_async == (matched > 0)
+        assert not (request.load_failed and matched), "a failed load offered again"
         if not self.allocate(request, len(request.all_token_ids), matched):
             return  # stays waiting: asked again later (its kvpool pages stay held)
         self.scheduler.update_state_after_alloc(request, Blocks(request.tables), matched)
@@ -297,6 +299,7 @@ class Simulation:
             finished_recving=recving,
             kv_connector_worker_meta=self.worker.build_worker_meta(),
             invalid_block_ids=errors,
+            failed_recving=failed_recving,
         )
         self.scheduler.update_connector_output(result)
         for request_id in recving or ():
@@ -314,6 +317,7 @@ class Simulation:
             return
         assert request.state == "loading"
         if failing:  # vLLM recomputes: from scratch, its blocks released
+            request.load_failed = True
             self.release(request)
             request.state, request.num_computed_tokens = "waiting", 0
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -43,19 +44,41 @@ def model(tmp_path_factory) -> str:
     return str(directory)
 
 
-def run_engine_process(model: str, extra: dict | None, rounds: list[str], **spec) -> tuple:
-    """The engine's rounds, its `ENGINE` line (KV cache size, hybrid allocator) and its log."""
+def run_process(command: list[str], env: dict[str, str], timeout: float = 600):
+    """`subprocess.run` in a session of its own: on a timeout, the engine's other processes
+    (its engine core and workers) are killed too, not left running."""
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def run_engine_process(
+    model: str, extra: dict | None, rounds: list[str], path: str | None = None, **spec
+) -> tuple:
+    """The engine's rounds, its `ENGINE` line (KV cache size, hybrid allocator) and its log.
+    `path`: a directory put first on the processes' PYTHONPATH (a sitecustomize.py there runs
+    in every process of the engine)."""
     spec = {"model": model, "extra": extra, "prompts": PROMPTS, "rounds": rounds, **spec}
-    done = subprocess.run(
+    pythonpath = os.pathsep.join([*([path] if path else []), str(ROOT / "src"), str(ROOT)])
+    done = run_process(
         [
             sys.executable,
             str(ROOT / "tests" / "vllm_connector" / "engine_run.py"),
             json.dumps(spec),
         ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": pythonpath},
     )
     lines = done.stdout.splitlines()
     results = [line for line in lines if line.startswith("RESULT ")]
@@ -286,3 +309,55 @@ def test_a_hybrid_models_prompts_are_shared_through_valkey(gemma3, tmp_path, val
     counters = stats_of(stats)
     assert counters["hit_tokens_by_tier"]["remote"] == 4 * HITS
     assert counters["loaded_blocks"] == 4 * (21 + 6)
+
+
+FAILING_LOADS = """
+import importlib.abc, importlib.util, os, sys
+
+class _Hook(importlib.abc.MetaPathFinder):  # every load of kvpool's worker side fails
+    def find_spec(self, name, path, target=None):
+        if name != "kvpool.integrations.vllm.worker":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            copy = module.WorkerSide._copy
+
+            def failing(self, transfer, save):
+                if not save:
+                    with open(os.environ["KVPOOL_FAILED_LOADS"], "a") as file:
+                        file.write(transfer.request_id + "\\n")
+                    raise OSError("injected load failure")
+                return copy(self, transfer, save)
+
+            module.WorkerSide._copy = failing
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, _Hook())
+"""
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_hybrid_models_failed_loads_follow_kv_load_failure_policy(
+    gemma3, tmp_path, monkeypatch, policy
+):
+    """With several KV-cache groups a failed load is a failed receive of the request (vLLM
+    takes no block-level load errors then): "recompute" computes it again, tokens unchanged;
+    "fail" fails the request."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(FAILING_LOADS)
+    failed = tmp_path / "failed.txt"
+    monkeypatch.setenv("KVPOOL_FAILED_LOADS", str(failed))
+    spec = {"num_blocks": None, "prefix_caching": False, "kv_load_failure_policy": policy}
+    extra = {"host_bytes": 64 << 20}
+    rounds, _, _ = run_engine_process(gemma3, extra, ["one", "one"], str(tmp_path / "hook"), **spec)
+    assert len(failed.read_text().split()) == 4  # (every second-pass load failed, once)
+    if policy == "recompute":
+        assert tokens(rounds[1]) == tokens(rounds[0])
+    else:
+        assert [r["finish_reason"] for r in rounds[1]] == ["error"] * 4

@@ -53,6 +53,7 @@ class _Pending:
     blocks: int = 0  # a save: vLLM blocks copied (all groups)
     reports: int = 0  # a store: workers that reported the copy
     failed: bool = False  # a store: some worker could not copy
+    loaded: frozenset[int] = frozenset()  # a load: the vLLM blocks it fills (all groups)
 
 
 @dataclasses.dataclass
@@ -104,6 +105,7 @@ class SchedulerSide:
         self.loads: dict[str, _Pending] = {}
         self.saves: dict[str, _Pending] = {}
         self.stores: dict[str, _Pending] = {}
+        self._load_failed: set[str] = set()  # (vLLM recomputes them: no load offered again)
         self._prompts: dict[str, Any] = {}  # windowed models: prompts not stored yet
         self._load_transfers: list[Transfer] = []
         self._save_transfers: list[Transfer] = []
@@ -119,8 +121,8 @@ class SchedulerSide:
     ) -> tuple[int, bool]:
         pending = self.loads.get(request.request_id)
         if pending is None:
-            if not reusable(request):
-                return 0, False
+            if not reusable(request) or request.request_id in self._load_failed:
+                return 0, False  # (a failed load offered again would fail again, forever)
             pending = self._lookup(request)
             if pending is None:
                 return 0, False
@@ -190,6 +192,7 @@ class SchedulerSide:
         transfer = self._load_transfer(request.request_id, pending.cache, first, last, blocks)
         self._load_transfers.append(transfer)
         self.counters.loaded_blocks += transfer.num_blocks
+        pending.loaded = frozenset(block for ids in transfer.block_ids for block in ids)
         pending.in_flight = True
 
     def _load_transfer(
@@ -224,6 +227,7 @@ class SchedulerSide:
         window are vLLM's null block)."""
         request_id = request.request_id
         self._prompts.pop(request_id, None)
+        self._load_failed.discard(request_id)
         load = self.loads.get(request_id)
         if load is not None:
             if load.in_flight:  # closed when the workers report the copy (vLLM keeps the
@@ -341,7 +345,12 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, output: Any) -> None:
+        failed_loads = set(getattr(output, "failed_recving", None) or ())
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
         for request_id in output.finished_recving or ():
+            load = self.loads.get(request_id)
+            if load is not None and (request_id in failed_loads or invalid & load.loaded):
+                self._load_failed.add(request_id)
             self._release_load(request_id)
         meta = output.kv_connector_worker_meta
         failed: set[str] = getattr(meta, "failed_saves", set())
@@ -415,6 +424,7 @@ class SchedulerSide:
         self.saves.clear()
         self.stores.clear()
         self._prompts.clear()
+        self._load_failed.clear()
         try:
             self.manager.flush_remote_writes()
             log.info("kvpool connector: %s", self.statistics())
