@@ -25,6 +25,7 @@ pytest.importorskip("vllm", reason="needs vLLM (scripts/test.sh runs this in its
 torch = pytest.importorskip("torch")
 
 from kvpool.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
+from kvpool.integrations.vllm.scoping import reuse_scope  # noqa: E402
 from kvpool.integrations.vllm.settings import (  # noqa: E402
     ConnectorSettings,
     GroupFormat,
@@ -114,6 +115,9 @@ class Simulation:
         self.next_id = 0
         self.failed_loads = 0
         self.injected_load_failures = 0
+        self.not_yet = 0  # lookups answered "not yet" (their disk pages read ahead)
+        self.failed_lookaheads = 0
+        self.cancelled_lookups = 0  # requests aborted while their lookup waited
         self.verified_blocks = 0  # (group, block) pairs checked after a load
         self.stores = 0  # prompt-end stores handed to the workers
         self.repeat_hits = 0  # loads of a repeated prompt that served its whole blocks
@@ -221,9 +225,26 @@ class Simulation:
         self.requests[request.request_id] = request
 
     def schedule(self, request: Request) -> None:
-        """A waiting request: the connector's lookup, then its blocks (vLLM's allocate_slots)."""
+        """A waiting request: the connector's lookup, then its blocks (vLLM's allocate_slots).
+        A lookup that needs disk I/O answers "not yet" (None) while the look-ahead threads
+        read: the request stays waiting and is asked again on a later schedule (other
+        operations in between: the answer is delayed), after its read-ahead is done (so the
+        calls, and the decisions, are the same in every run); some read-aheads are made to
+        fail (cancelled before they run: the lookup then reads synchronously, a miss never)."""
+        lookups = self.scheduler.lookups
+        if request.request_id in lookups:
+            lookahead = lookups._waiting[request.request_id]
+            assert lookahead.wait(30)
         matched, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
-        assert matched is not None and matched % BLOCK == 0
+        if matched is None:
+            assert not is_async and request.request_id in lookups
+            self.not_yet += 1
+            if self.rng.random() < 0.1:
+                lookups._waiting[request.request_id].cancel()  # (a failed read-ahead)
+                self.failed_lookaheads += 1
+            return
+        assert request.request_id not in lookups
+        assert matched % BLOCK == 0
         assert matched < len(request.all_token_ids)
         assert is_async == (matched > 0)
         assert not (request.load_failed and matched), "a failed load offered again"
@@ -358,12 +379,18 @@ class Simulation:
                 request = self.rng.choice(running)
                 self.release(request)
                 request.state, request.num_computed_tokens = "waiting", 0
-            elif roll < 0.5 and waiting:  # aborted before it ran
-                request = self.rng.choice(waiting)
+            elif roll < 0.5 and waiting:  # aborted before it ran (its lookup maybe waiting)
+                looking = [r for r in waiting if r.request_id in self.scheduler.lookups]
+                request = self.rng.choice(looking if looking and roll < 0.485 else waiting)
+                if request.request_id in self.scheduler.lookups:
+                    self.cancelled_lookups += 1
                 self.scheduler.request_finished(request, self.no_blocks())
+                assert request.request_id not in self.scheduler.lookups
                 self.release(request)
                 del self.requests[request.request_id]
-            else:
+            else:  # (vLLM asks the lookups that said "not yet" again each step)
+                for request in [r for r in waiting if r.request_id in self.scheduler.lookups]:
+                    self.schedule(request)
                 self.step()
             self.scheduler.manager.check_invariants()
 
@@ -380,6 +407,7 @@ class Simulation:
             if not self.requests:
                 break
         assert not self.requests
+        assert len(self.scheduler.lookups) == 0  # (finished requests' lookups cancelled)
         assert not self.scheduler.loads and not self.scheduler.saves
         assert not self.scheduler.stores
         assert self.scheduler.manager.num_open_kv_caches == 0
@@ -400,6 +428,9 @@ def test_random_streams_never_load_wrong_kv_and_leave_nothing_behind(seed, layou
     assert simulation.failed_loads == simulation.injected_load_failures
     assert counters.hit_tokens_by_tier["disk"] > 0
     assert counters.saved_blocks > 50
+    # (asynchronous lookups: answered "not yet", some read-aheads failed, some cancelled)
+    assert simulation.not_yet > 10 and simulation.failed_lookaheads > 0
+    assert simulation.cancelled_lookups > 0
     if simulation.page.windowed:  # prompts' ends stored: a repeated prompt is served whole
         assert simulation.stores > 0 and simulation.repeat_hits > 0
     else:
@@ -475,6 +506,8 @@ def test_a_disk_read_error_at_lookup_is_a_miss_and_the_pages_survive(tmp_path, m
 
     monkeypatch.setattr(Copier, "copy", failing)
     again = Request("again", document[: 10 * BLOCK] + [2])
+    assert scheduler.get_num_new_matched_tokens(again, 0) == (None, False)  # reading ahead
+    assert scheduler.lookups._waiting["again"].wait(30)
     assert scheduler.get_num_new_matched_tokens(again, 0) == (0, False)  # a miss, no crash
     assert scheduler.counters.load_failures == 1 and "again" not in scheduler.loads
     scheduler.manager.check_invariants()
@@ -482,6 +515,8 @@ def test_a_disk_read_error_at_lookup_is_a_miss_and_the_pages_survive(tmp_path, m
     # the pages are still on disk, whole: the next lookup loads them and they verify
     third = Request("third", document[: 10 * BLOCK] + [3])
     simulation.requests["third"] = third
+    simulation.schedule(third)  # "not yet": its pages are read ahead from disk
+    assert third.state == "waiting" and simulation.not_yet == 1
     simulation.schedule(third)
     assert third.state == "loading" and third.num_computed_tokens == 10 * BLOCK
     before = simulation.verified_blocks
@@ -577,3 +612,38 @@ def test_a_store_is_committed_once_every_worker_copied_it(tmp_path, fails):
     assert scheduler.manager.probe_reuse(None, prompt[:96]) == (0 if fails else 96)
     assert scheduler.counters.failed_saves == int(fails)
     simulation.scheduler.shutdown()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_worker_that_dies_mid_copy_commits_nothing_and_the_engine_stops_clean(seed, tmp_path):
+    """A worker killed in the middle of a step's copies: vLLM's engine stops (its executor
+    sees the worker die) and the scheduler side is shut down with the step's saves and stores
+    never reported: none of their blocks is committed (no later lookup, in this process or
+    from a persistent disk level, can find a page whose bytes were never all written), every
+    kvpool request is closed, the manager releases everything."""
+    simulation = Simulation(100 + seed, tmp_path)
+    simulation.run(300)
+    side, worker = simulation.scheduler, simulation.worker
+    start = worker.start_load_kv
+    dead: list = []
+
+    def start_and_die(meta):
+        if not meta.saves:
+            return start(meta)
+        dead.append(meta)
+        half = meta.saves[: len(meta.saves) // 2]  # (copies done before the kill)
+        start(type(meta)(meta.shared, saves=half))
+        raise SystemExit("the worker is killed here")  # (mid-step: nothing is reported)
+
+    worker.start_load_kv = start_and_die
+    with pytest.raises(SystemExit):
+        simulation.run(2000)
+    meta = dead[0]
+    in_flight = {t.request_id: side.saves[t.request_id] for t in meta.saves}
+    for request_id, pending in in_flight.items():
+        scope = reuse_scope(simulation.requests[request_id], side.adapters)
+        tokens = list(simulation.requests[request_id].all_token_ids[: pending.num_tokens])
+        committed = side.manager.probe_reuse(scope, tokens, remote=False)
+        assert committed < pending.num_tokens, "a save never reported was committed"
+    side.shutdown()  # (vLLM stops the engine: no report ever comes)
+    assert side.manager._closed

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.errors import ConfigError, KVPoolError
+from kvpool.integrations.vllm.lookups import Answer, AsyncLookups
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata, Transfer
 from kvpool.integrations.vllm.scoping import AdapterIdentities, reusable, reuse_scope
 from kvpool.integrations.vllm.settings import NULL_BLOCK_ID, ConnectorSettings, PageFormat
@@ -74,6 +75,7 @@ class ConnectorCounters:
 
 
 BlockIds = Sequence[Sequence[int]]  # per vLLM KV-cache group
+_WAIT = object()  # a lookup whose I/O runs: "not yet" to vLLM
 
 
 class SchedulerSide:
@@ -102,6 +104,9 @@ class SchedulerSide:
         self._windowed = page.windowed  # (prompts are stored after their prefill)
         self.shared = self.manager.shared_memory()
         self.adapters = AdapterIdentities()
+        self.async_lookups = settings.async_lookups
+        self.lookups = AsyncLookups(self.manager)
+        self.persist_on_shutdown = settings.disk_persist
         self.loads: dict[str, _Pending] = {}
         self.saves: dict[str, _Pending] = {}
         self.stores: dict[str, _Pending] = {}
@@ -118,14 +123,19 @@ class SchedulerSide:
     # -- loads ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
+        """Tokens vLLM may load past `num_computed_tokens`, or None ("not yet": ask again on a
+        later step) while the lookup's disk or remote I/O runs (`lookups.py`)."""
         pending = self.loads.get(request.request_id)
         if pending is None:
             if not reusable(request) or request.request_id in self._load_failed:
                 return 0, False  # (a failed load offered again would fail again, forever)
-            pending = self._lookup(request)
-            if pending is None:
+            found = self._lookup(request)
+            if found is _WAIT:
+                return None, False
+            if not isinstance(found, _Pending):
                 return 0, False
+            pending = found
         if pending.in_flight:  # (asked again while its load runs: nothing new)
             return 0, False
         if pending.num_tokens <= num_computed_tokens:
@@ -133,22 +143,38 @@ class SchedulerSide:
             return 0, False
         return pending.num_tokens - num_computed_tokens, True
 
-    def _lookup(self, request: Any) -> _Pending | None:
-        """A resumed kvpool request holding the prefix vLLM may load, or None."""
+    def _lookup(self, request: Any) -> _Pending | object | None:
+        """A resumed kvpool request holding the prefix vLLM may load, None (a miss), or
+        `_WAIT` while the lookup's I/O runs. Asynchronous lookups take the remote tier's
+        answer and values, and the disk pages read ahead, from the look-ahead threads; what
+        is left on the scheduler's thread copies from memory."""
+        request_id = request.request_id
         tokens = list(request.all_token_ids)
         usable = (len(tokens) - 1) // self.block_size * self.block_size  # vLLM computes the last
         if usable <= 0:
             return None
-        self.counters.lookups += 1
+        if request_id not in self.lookups:
+            self.counters.lookups += 1
         scope = reuse_scope(request, self.adapters)
-        if self.manager.probe_reuse(scope, tokens[:usable]) < self.block_size:
+        if self.async_lookups:
+            answer, lookahead = self.lookups.ask(request_id, scope, tokens[:usable])
+            if answer is Answer.WAITING:
+                return _WAIT
+            if lookahead is None:  # (skipped: too many lookups wait already)
+                return None
+            cache = self.manager.create_kv_cache(scope, lookahead.tokens, lookahead=lookahead)
+        else:
+            if self.manager.probe_reuse(scope, tokens[:usable]) < self.block_size:
+                return None
+            cache = self.manager.create_kv_cache(scope, tokens[:usable])
+        if cache.num_committed_tokens < self.block_size:
+            cache.close()
             return None
-        cache = self.manager.create_kv_cache(scope, tokens[:usable])
         tiers = self._tiers_of(cache)
         try:
             resumed = cache.resume()
         except (KVPoolError, OSError) as error:  # a read failed: a miss, not an engine error
-            log.warning("kvpool: cannot bring a prefix up for %s: %s", request.request_id, error)
+            log.warning("kvpool: cannot bring a prefix up for %s: %s", request_id, error)
             self.counters.load_failures += 1
             cache.close()
             return None
@@ -157,7 +183,7 @@ class SchedulerSide:
             cache.close()
             return None
         pending = _Pending(cache, [], served)
-        self.loads[request.request_id] = pending
+        self.loads[request_id] = pending
         self.counters.hit_tokens += served
         by_tier = self.counters.hit_tokens_by_tier
         for block in range(served // self.block_size):
@@ -228,6 +254,7 @@ class SchedulerSide:
         request_id = request.request_id
         self._prompts.pop(request_id, None)
         self._load_failed.discard(request_id)
+        self.lookups.cancel(request_id)  # (aborted while its lookup's I/O ran)
         load = self.loads.get(request_id)
         if load is not None:
             if load.in_flight:  # closed when the workers report the copy (vLLM keeps the
@@ -253,11 +280,12 @@ class SchedulerSide:
         """A kvpool request for `tokens` (whole blocks) whose history is at their end, with
         new pages for the blocks kvpool lacks that each group keeps there, and the copy that
         fills them from vLLM's `block_ids`; None when kvpool has them all, has no room, or a
-        block it needs is one vLLM already freed (a sliding window's)."""
+        block it needs is one vLLM already freed (a sliding window's). The remote tier is not
+        asked (no I/O in vLLM's step): what only it holds is saved again."""
         scope = reuse_scope(request, self.adapters)
-        if self.manager.probe_reuse(scope, tokens) >= len(tokens):
+        if self.manager.probe_reuse(scope, tokens, remote=False) >= len(tokens):
             return None  # kvpool has all of it (at some level)
-        cache = self.manager.create_kv_cache(scope, tokens)
+        cache = self.manager.create_kv_cache(scope, tokens, remote=False)
         try:
             room = cache.resume() and cache.resize(len(tokens), len(tokens))
         except (KVPoolError, OSError) as error:
@@ -413,11 +441,13 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         """Close every kvpool request (uncommitted saves are dropped), write what is waiting
-        for the remote tier, report, and free the shared memory (the workers' mappings keep
+        for the remote tier, move the cached pages down to a persistent disk level, report,
+        and free the shared memory (the workers' mappings keep
         theirs until they end)."""
         if self._closed:
             return
         self._closed = True
+        self.lookups.cancel_all()
         for pending in [*self.loads.values(), *self.saves.values(), *self.stores.values()]:
             pending.cache.close()
         self.loads.clear()
@@ -427,6 +457,8 @@ class SchedulerSide:
         self._load_failed.clear()
         try:
             self.manager.flush_remote_writes()
+            if self.persist_on_shutdown:  # (a restart finds the hot prefixes' heads too)
+                self.manager.save_to_disk()
             log.info("kvpool connector: %s", self.statistics())
             self._write_stats(force=True)
         finally:

@@ -7,6 +7,7 @@ Keys of `kv_connector_extra_config` (all optional):
 |---|---|---|
 | `host_bytes` | host memory for kvpool's first level (shared with vLLM's workers) | 1 GiB |
 | `disk_bytes`, `disk_path` | a disk level below it (both or neither) | none |
+| `disk_persist` | the disk level outlives the engine: a restarted engine of the same model identity finds its pages again, each checked (one engine per `disk_path`) | `false` |
 | `remote_url` | a Valkey/Redis server shared by engines (`valkey://host:port`) | none |
 | `remote_namespace` | separates tenants on one server | `""` |
 | `remote_timeout_ms` | bound on every call to the server | 500 |
@@ -14,6 +15,7 @@ Keys of `kv_connector_extra_config` (all optional):
 | `model_id` | the model's identity in keys that outlive the process, in place of the one computed from its config and weights (`identity.py`) | computed |
 | `kv_events_endpoint` | ZMQ endpoint publishing kvpool's KV events | none |
 | `stats_path` | a file the scheduler side keeps its counters in (JSON, rewritten as they change) | none |
+| `async_lookups` | a lookup that needs disk or the remote tier answers vLLM "not yet" while its I/O runs off the scheduler's thread (`lookups.py`); `false`: it reads inside the scheduler's step | `true` |
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ EXTRA_CONFIG_KEYS = (
     "host_bytes",
     "disk_bytes",
     "disk_path",
+    "disk_persist",
     "remote_url",
     "remote_namespace",
     "remote_timeout_ms",
@@ -48,6 +51,7 @@ EXTRA_CONFIG_KEYS = (
     "model_id",
     "kv_events_endpoint",
     "stats_path",
+    "async_lookups",
 )
 
 
@@ -60,6 +64,13 @@ def _int(extra: dict[str, Any], key: str, default: int, minimum: int) -> int:
     if type(value) is not int or value < minimum:
         _fail(key, value, f"an integer >= {minimum}")
     return int(value)
+
+
+def _bool(extra: dict[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if type(value) is not bool:
+        _fail(key, value, "true or false")
+    return bool(value)
 
 
 def _str(extra: dict[str, Any], key: str, default: str | None) -> str | None:
@@ -76,6 +87,7 @@ class ConnectorSettings:
     host_bytes: int = GiB
     disk_bytes: int = 0
     disk_path: str | None = None
+    disk_persist: bool = False
     remote_url: str | None = None
     remote_namespace: str = ""
     remote_timeout_ms: int = 500
@@ -83,6 +95,7 @@ class ConnectorSettings:
     model_id: str | None = None
     kv_events_endpoint: str | None = None
     stats_path: str | None = None
+    async_lookups: bool = True
 
     @classmethod
     def parse(cls, extra: object) -> ConnectorSettings:
@@ -109,6 +122,11 @@ class ConnectorSettings:
             _fail("disk_path", disk_path, "an existing directory when disk_bytes > 0")
         if disk_path is not None and not disk_bytes:
             _fail("disk_bytes", disk_bytes, "> 0 when disk_path is set")
+        disk_persist = _bool(extra, "disk_persist", False)
+        if disk_persist and not disk_bytes:
+            _fail(
+                "disk_persist", disk_persist, "false without a disk level (disk_bytes, disk_path)"
+            )
         policy = extra.get("eviction_policy", EVICTION_POLICIES[0])
         if policy not in EVICTION_POLICIES:
             _fail("eviction_policy", policy, f"one of {list(EVICTION_POLICIES)}")
@@ -119,6 +137,7 @@ class ConnectorSettings:
             host_bytes=_int(extra, "host_bytes", GiB, 1),
             disk_bytes=disk_bytes,
             disk_path=disk_path,
+            disk_persist=disk_persist,
             remote_url=_str(extra, "remote_url", None),
             remote_namespace=_str(extra, "remote_namespace", "") or "",
             remote_timeout_ms=_int(extra, "remote_timeout_ms", 500, 1),
@@ -126,6 +145,7 @@ class ConnectorSettings:
             model_id=model_id,
             kv_events_endpoint=_str(extra, "kv_events_endpoint", None),
             stats_path=_str(extra, "stats_path", None),
+            async_lookups=_bool(extra, "async_lookups", True),
         )
         if settings.remote_url is not None:
             try:
@@ -283,7 +303,8 @@ class PageFormat:
         tiers: list[CacheTierConfig] = [GpuCacheTierConfig(settings.host_bytes, shared_by_fd=True)]
         if settings.disk_bytes:
             assert settings.disk_path is not None
-            tiers.append(DiskCacheTierConfig(settings.disk_bytes, settings.disk_path))
+            persistent = (model_id or None) if settings.disk_persist else None
+            tiers.append(DiskCacheTierConfig(settings.disk_bytes, settings.disk_path, persistent))
         layers = []
         for g, group in enumerate(self.groups):
             size = self.buffer_bytes(g)

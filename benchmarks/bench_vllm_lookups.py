@@ -1,0 +1,169 @@
+"""Does a slow shared tier hold vLLM's scheduler? vLLM's OpenAI server with kvpool's connector,
+its Valkey server behind a proxy that delays every reply (`--delay-ms`, 100 by default: a
+server across a congested network), against the same server without a remote tier.
+
+The workload, the same in every row: `--requests` requests sent at a steady rate, a third of
+them a prompt whose prefix only the Valkey server holds (written there beforehand by another
+server: they must fetch it), the rest a prompt this server already holds in its host memory
+(warmed before the measured phase: they need nothing from Valkey). Greedy, a few tokens each.
+
+Rows: no remote tier; remote tier with synchronous lookups (`async_lookups: false`, the
+connector's former behaviour: the lookup fetches inside vLLM's scheduler step); remote tier
+with asynchronous lookups (the default: "not yet" to vLLM while the look-ahead threads fetch).
+Columns: time to first token (client side, streamed) p50 and p99 of each class, and the
+local class's p99 against the row without a remote tier (the goal: at most 1.1x). Every row's
+tokens are checked equal to the first row's.
+
+Run (in the venv scripts/vllm_venv.sh makes):
+    build/vllm-venv/bin/python benchmarks/bench_vllm_lookups.py [--requests 60] [--delay-ms 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.delay_proxy import DelayProxy  # noqa: E402
+from tests.valkey_servers import ValkeyServer  # noqa: E402
+from tests.vllm_server import Server  # noqa: E402
+
+BLOCK = 32
+
+
+def tiny_model(directory: Path) -> str:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return str(directory)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run_row(name, model, extra, workload, warm, rate, log_dir) -> dict:
+    options = ("--num-gpu-blocks-override", "96")
+    server = Server(model, extra, log_dir / f"{name}.log", *options)
+    try:
+        server.wait_healthy()
+        server.complete([1999] * 40)  # (a first forward pass unrelated to any loaded prefix)
+        for prompt in warm:  # this server's host memory holds these afterwards
+            server.complete(prompt, 2)
+        server.complete([1998] * 40)  # (the step after the last finish copies its blocks)
+        results: list[tuple[str, float, list[int]] | None] = [None] * len(workload)
+
+        def send(i: int) -> None:
+            kind, prompt = workload[i]
+            ttft, tokens = server.stream(prompt, 4)
+            results[i] = (kind, ttft, tokens)
+
+        with concurrent.futures.ThreadPoolExecutor(len(workload)) as pool:
+            futures = []
+            for i in range(len(workload)):
+                futures.append(pool.submit(send, i))
+                time.sleep(1 / rate)
+            for future in futures:
+                future.result()
+    finally:
+        server.process.terminate()
+        server.process.wait(120)
+    done = [r for r in results if r is not None]
+    row = {"name": name, "tokens": [r[2] for r in done]}
+    for kind in ("local", "remote"):
+        times = [r[1] for r in done if r[0] == kind]
+        row[kind] = (statistics.median(times), percentile(times, 0.99))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--delay-ms", type=float, default=100)
+    parser.add_argument("--rate", type=float, default=4, help="requests per second")
+    parser.add_argument("--prompt", type=int, default=16 * BLOCK + 5)
+    args = parser.parse_args()
+    rng = random.Random(0)
+    n_remote = args.requests // 3
+    remote_prompts = [[rng.randrange(2000) for _ in range(args.prompt)] for _ in range(n_remote)]
+    local_prompts = [[rng.randrange(2000) for _ in range(args.prompt)] for _ in range(8)]
+    workload = []
+    for i in range(args.requests):
+        if i % 3 == 2 and remote_prompts:
+            workload.append(("remote", remote_prompts.pop()))
+        else:
+            workload.append(("local", local_prompts[i % len(local_prompts)]))
+    remote_all = [p for k, p in workload if k == "remote"]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        model = tiny_model(tmp_path / "model")
+        valkey = ValkeyServer(tmp_path / "valkey").start()
+        proxy = DelayProxy("127.0.0.1", valkey.port, args.delay_ms).start()
+        try:
+            direct = f"valkey://127.0.0.1:{valkey.port}"
+            writer = Server(model, {"host_bytes": 256 << 20, "remote_url": direct},
+                            tmp_path / "writer.log", "--num-gpu-blocks-override", "96")  # fmt: skip
+            try:
+                writer.wait_healthy()
+                for prompt in remote_all:
+                    writer.complete(prompt, 1)
+                writer.complete([1997] * 40)
+            finally:
+                writer.process.terminate()  # (its shutdown flushes what it queued)
+                writer.process.wait(120)
+            delayed = f"valkey://127.0.0.1:{proxy.port}"
+            base = {"host_bytes": 256 << 20, "remote_timeout_ms": 5000}
+            rows = [
+                run_row("no remote tier", model, base, workload, local_prompts,
+                        args.rate, tmp_path),
+                run_row("remote, synchronous lookups", model,
+                        {**base, "remote_url": delayed, "async_lookups": False},
+                        workload, local_prompts, args.rate, tmp_path),
+                run_row("remote, asynchronous lookups", model,
+                        {**base, "remote_url": delayed}, workload, local_prompts,
+                        args.rate, tmp_path),
+            ]  # fmt: skip
+        finally:
+            proxy.stop()
+            valkey.stop()
+    reference = rows[0]["local"][1]
+    print(
+        f"\n{args.requests} requests at {args.rate}/s, a third fetching from Valkey behind a "
+        f"{args.delay_ms:.0f} ms proxy; TTFT in ms (client side, streamed)\n"
+    )
+    print("| row | local p50 | local p99 | remote p50 | remote p99 | local p99 / no remote |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        local, remote = row["local"], row["remote"]
+        print(
+            f"| {row['name']} | {local[0] * 1e3:.0f} | {local[1] * 1e3:.0f} | "
+            f"{remote[0] * 1e3:.0f} | {remote[1] * 1e3:.0f} | {local[1] / reference:.2f} |"
+        )
+    same = all(row["tokens"] == rows[0]["tokens"] for row in rows)
+    print(f"\ntokens equal in every row: {same}")
+    if not same:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
