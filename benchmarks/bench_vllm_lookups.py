@@ -86,8 +86,7 @@ def run_row(name, model, extra, workload, warm, rate, log_dir) -> dict:
             for future in futures:
                 future.result()
     finally:
-        server.process.terminate()
-        server.process.wait(120)
+        server.stop()
     done = [r for r in results if r is not None]
     row = {"name": name, "tokens": [r[2] for r in done]}
     for kind in ("local", "remote"):
@@ -129,8 +128,7 @@ def main() -> None:
                     writer.complete(prompt, 1)
                 writer.complete([1997] * 40)
             finally:
-                writer.process.terminate()  # (its shutdown flushes what it queued)
-                writer.process.wait(120)
+                writer.stop()  # (its shutdown flushes what it queued)
             delayed = f"valkey://127.0.0.1:{proxy.port}"
             base = {"host_bytes": 256 << 20, "remote_timeout_ms": 5000}
             rows = [

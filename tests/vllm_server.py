@@ -4,6 +4,7 @@ the server tests and benchmarks. Run it with vLLM's venv's python (scripts/vllm_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -119,6 +120,19 @@ class Server:
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url("/metrics"), timeout=10) as answer:
             return answer.read().decode()
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL of every process of the server if it is not gone in 2
+        minutes (a killed API server leaves its engine core running)."""
+        tree = self.tree() if self.process.poll() is None else []
+        if self.process.poll() is None:
+            self.process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(120)
+        for process in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        self.process.wait(60)
 
     def tree(self) -> list:
         root = psutil.Process(self.process.pid)

@@ -137,3 +137,64 @@ def test_the_server_leaves_no_memory_and_no_file_however_it_stops(model, tmp_pat
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
         server.process.wait(60)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_request_served_from_host_memory_never_waits_for_anothers_fetch(
+    model, tmp_path, asynchronous
+):
+    """The Valkey server stops answering (SIGSTOP) while a request fetches its prefix from it:
+    a request whose prefix is in the server's host memory completes meanwhile. With
+    synchronous lookups (the control), it waits for the other's fetch to time out."""
+    import threading
+
+    from tests.valkey_servers import ValkeyServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("no valkey-server binary")
+    valkey = ValkeyServer(tmp_path / "valkey").start()
+    url = f"valkey://127.0.0.1:{valkey.port}"
+    remote = [(11 * j + 5) % 2000 for j in range(300)]
+    local = [(13 * j + 1) % 2000 for j in range(300)]
+    servers = []
+    try:
+        writer = Server(model, {"host_bytes": 64 << 20, "remote_url": url}, tmp_path / "w.log")
+        servers.append(writer)
+        writer.wait_healthy()
+        expected = writer.complete(remote)
+        writer.process.terminate()  # (its shutdown flushes the writes)
+        writer.process.wait(120)
+        timeout_ms = 60_000 if asynchronous else 8_000
+        extra = {
+            "host_bytes": 64 << 20,
+            "remote_url": url,
+            "remote_timeout_ms": timeout_ms,
+            "async_lookups": asynchronous,
+        }
+        server = Server(model, extra, tmp_path / "server.log")
+        servers.append(server)
+        server.wait_healthy()
+        server.complete([1999, 3, 5] * 5)  # (a first request unrelated to any prefix)
+        wanted = server.complete(local)  # now in this server's host memory
+        server.complete([1998, 3, 5] * 5)  # (the step after it copies its blocks out)
+        valkey.pause()
+        fetched: list[list[int]] = []
+        fetching = threading.Thread(target=lambda: fetched.append(server.complete(remote)))
+        fetching.start()
+        time.sleep(2)  # (its lookup is waiting on the stopped server now)
+        started = time.monotonic()
+        assert server.complete(local) == wanted
+        took = time.monotonic() - started
+        if asynchronous:
+            assert fetching.is_alive(), "the fetch ended: nothing was tested"
+            assert took < 20, f"a host-memory hit waited {took:.1f} s for another's fetch"
+        else:  # the control: the scheduler's thread is in the other's fetch until it times out
+            assert took > 4, f"the synchronous control did not wait ({took:.1f} s)"
+        valkey.unpause()
+        fetching.join(180)
+        assert fetched == [expected]  # (served from Valkey, or recomputed: the same tokens)
+    finally:
+        valkey.unpause()
+        for server in servers:
+            server.stop()
+        valkey.stop()
