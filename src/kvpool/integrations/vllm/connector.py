@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvpool.vllm")
+# (under vLLM's logger: vLLM shows its INFO lines, not those of other libraries)
+start_log = logging.getLogger("vllm.kvpool")
 
 
 try:  # (how a worker reports failed loads of a model with several KV-cache groups)
@@ -72,7 +74,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             identity = vllm_model_identity(vllm_config, self.page, self.settings.model_id)
-            log.info("kvpool: model identity %s", identity)
+            start_log.info("kvpool: model identity %s", identity)
             log.info(
                 "kvpool: %d KV-cache groups: %s",
                 len(self.page.groups),
