@@ -10,9 +10,10 @@ server: they must fetch it), the rest a prompt this server already holds in its 
 Rows: no remote tier; remote tier with synchronous lookups (`async_lookups: false`, the
 connector's former behaviour: the lookup fetches inside vLLM's scheduler step); remote tier
 with asynchronous lookups (the default: "not yet" to vLLM while the look-ahead threads fetch).
-Columns: time to first token (client side, streamed) p50 and p99 of each class, and the
-local class's p99 against the row without a remote tier (the goal: at most 1.1x). Every row's
-tokens are checked equal to the first row's.
+Columns: time to first token (client side, streamed) p50 and p99 of each class, the local
+class's p99 against the row without a remote tier (the goal: at most 1.1x), and vLLM's
+scheduler step (`Scheduler.schedule`, timed in the engine core by a `sitecustomize` hook)
+p50 and p99 over the measured phase. Every row's tokens are checked equal to the first row's.
 
 Run (in the venv scripts/vllm_venv.sh makes):
     build/vllm-venv/bin/python benchmarks/bench_vllm_lookups.py [--requests 60] [--delay-ms 100]
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
 import random
 import statistics
 import sys
@@ -37,6 +39,25 @@ from tests.valkey_servers import ValkeyServer  # noqa: E402
 from tests.vllm_server import Server  # noqa: E402
 
 BLOCK = 32
+STEP_HOOK = """
+import os, time
+path = os.environ.get("KVPOOL_BENCH_STEPS")
+if path:
+    try:
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except Exception:
+        Scheduler = None
+    if Scheduler is not None:
+        original = Scheduler.schedule
+        def schedule(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                with open(path, "a") as file:
+                    file.write(f"{time.perf_counter() - started}\\n")
+        Scheduler.schedule = schedule
+"""
 
 
 def tiny_model(directory: Path) -> str:
@@ -64,13 +85,20 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_row(name, model, extra, workload, warm, rate, log_dir) -> dict:
     options = ("--num-gpu-blocks-override", "96")
-    server = Server(model, extra, log_dir / f"{name}.log", *options)
+    hook = log_dir / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(STEP_HOOK)
+    steps = log_dir / f"{name}.steps"
+    pythonpath = os.pathsep.join([str(hook), str(ROOT / "src"), str(ROOT)])
+    env = {"PYTHONPATH": pythonpath, "KVPOOL_BENCH_STEPS": str(steps)}
+    server = Server(model, extra, log_dir / f"{name}.log", *options, env=env)
     try:
         server.wait_healthy()
         server.complete([1999] * 40)  # (a first forward pass unrelated to any loaded prefix)
         for prompt in warm:  # this server's host memory holds these afterwards
             server.complete(prompt, 2)
         server.complete([1998] * 40)  # (the step after the last finish copies its blocks)
+        measured_from = len(steps.read_text().split()) if steps.exists() else 0
         results: list[tuple[str, float, list[int]] | None] = [None] * len(workload)
 
         def send(i: int) -> None:
@@ -89,6 +117,9 @@ def run_row(name, model, extra, workload, warm, rate, log_dir) -> dict:
         server.stop()
     done = [r for r in results if r is not None]
     row = {"name": name, "tokens": [r[2] for r in done]}
+    times = [float(t) for t in steps.read_text().split()[measured_from:]]
+    busy = [t for t in times if t > 0]
+    row["step"] = (statistics.median(busy), percentile(busy, 0.99))
     for kind in ("local", "remote"):
         times = [r[1] for r in done if r[0] == kind]
         row[kind] = (statistics.median(times), percentile(times, 0.99))
@@ -149,13 +180,17 @@ def main() -> None:
         f"\n{args.requests} requests at {args.rate}/s, a third fetching from Valkey behind a "
         f"{args.delay_ms:.0f} ms proxy; TTFT in ms (client side, streamed)\n"
     )
-    print("| row | local p50 | local p99 | remote p50 | remote p99 | local p99 / no remote |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| row | local p50 | local p99 | remote p50 | remote p99 | local p99 / no remote "
+        "| step p50 | step p99 |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        local, remote = row["local"], row["remote"]
+        local, remote, step = row["local"], row["remote"], row["step"]
         print(
             f"| {row['name']} | {local[0] * 1e3:.0f} | {local[1] * 1e3:.0f} | "
-            f"{remote[0] * 1e3:.0f} | {remote[1] * 1e3:.0f} | {local[1] / reference:.2f} |"
+            f"{remote[0] * 1e3:.0f} | {remote[1] * 1e3:.0f} | {local[1] / reference:.2f} | "
+            f"{step[0] * 1e3:.2f} | {step[1] * 1e3:.1f} |"
         )
     same = all(row["tokens"] == rows[0]["tokens"] for row in rows)
     print(f"\ntokens equal in every row: {same}")

@@ -26,7 +26,15 @@ def free_port() -> int:
 class Server:
     """`python -m vllm.entrypoints.openai.api_server` with kvpool's connector."""
 
-    def __init__(self, model: str, extra: dict | None, log: Path, *options: str) -> None:
+    def __init__(
+        self,
+        model: str,
+        extra: dict | None,
+        log: Path,
+        *options: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`env`: variables added to the server's environment."""
         self.model = model
         self.port = free_port()
         transfer = {
@@ -46,7 +54,7 @@ class Server:
         if extra is not None:
             command += ["--kv-transfer-config", json.dumps(transfer)]
         self.log = log
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         self.process = subprocess.Popen(
             command,
             stdout=open(log, "w"),  # noqa: SIM115 (the child keeps it)
