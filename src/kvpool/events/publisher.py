@@ -53,7 +53,11 @@ class KVEventPublisher:
         self._next_sequence = 0
         self.num_batches = 0  # sent so far
         self.num_events = 0
-        context: Any = zmq.Context.instance()
+        # A context of its own: terminating it waits until its sockets are really closed and
+        # their ports released (closing a socket alone hands that to ZMQ's I/O thread, so a
+        # start that failed could keep its PUB port bound for a while after it raised).
+        context: Any = zmq.Context()
+        self._context = context
         self._pub = context.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._replay = None
@@ -69,7 +73,7 @@ class KVEventPublisher:
                 self._replay.bind(config.replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as error:
-            self._close_sockets()
+            self._close_sockets(linger=0)
             raise ConfigError(
                 f"kv_events.{field}={getattr(config, field)!r} is invalid: must be an address "
                 f"this process can bind (ZMQ: {error})"
@@ -87,10 +91,15 @@ class KVEventPublisher:
         self._thread.join(timeout)
         self._close_sockets()
 
-    def _close_sockets(self) -> None:
-        self._pub.close(linger=100)
+    def _close_sockets(self, linger: int = 100) -> None:
+        """Close the sockets (sending what is queued for up to `linger` ms) and release their
+        endpoints before returning."""
+        self._pub.close(linger=linger)
         if self._replay is not None:
-            self._replay.close(linger=100)
+            self._replay.close(linger=linger)
+        thread = getattr(self, "_thread", None)
+        if thread is None or not thread.is_alive():  # (no socket in use by the thread)
+            self._context.term()
 
     # -- the thread ------------------------------------------------------------------------------
 
