@@ -31,13 +31,13 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.errors import ConfigError, KVPoolError
-from kvpool.integrations.vllm.lookups import Answer, AsyncLookups
+from kvpool.errors import ConfigError
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata, Transfer
 from kvpool.integrations.vllm.scoping import AdapterIdentities, reusable, reuse_scope
 from kvpool.integrations.vllm.settings import NULL_BLOCK_ID, ConnectorSettings, PageFormat
 from kvpool.layout import KVLayout
 from kvpool.manager import KVCacheManager
+from kvpool.node.store import Hit, LocalStore, Outcome, SavePlan, Store
 
 log = logging.getLogger("kvpool.vllm")
 
@@ -46,7 +46,7 @@ log = logging.getLogger("kvpool.vllm")
 class _Pending:
     """A kvpool request with pages a worker reads (a load) or writes (a save)."""
 
-    cache: Any  # kvpool.KVCache
+    cache: Any  # the store's handle (a kvpool.KVCache in process): `close()` releases it
     tokens: list[int]  # a save: what to commit once the bytes are there
     num_tokens: int  # a load: tokens it serves; a save: all its tokens
     first_block: int = 0  # a save: its first new block (the ones before were kvpool's)
@@ -55,6 +55,8 @@ class _Pending:
     reports: int = 0  # a store: workers that reported the copy
     failed: bool = False  # a store: some worker could not copy
     loaded: frozenset[int] = frozenset()  # a load: the vLLM blocks it fills (all groups)
+    slots: list[list[int]] | None = None  # a load: per kvpool layer group, each block's slot
+    generation: int = 0  # the store's shared memory its slots are in
 
 
 @dataclasses.dataclass
@@ -80,45 +82,63 @@ _WAIT = object()  # a lookup whose I/O runs: "not yet" to vLLM
 
 class SchedulerSide:
     def __init__(
-        self, settings: ConnectorSettings, page: PageFormat, model_id: str, num_workers: int = 1
+        self,
+        settings: ConnectorSettings,
+        page: PageFormat,
+        model_id: str,
+        num_workers: int = 1,
+        store: Store | None = None,
     ):
         """`model_id`: the model's identity (`identity.vllm_model_identity`); `num_workers`:
-        the worker processes that each report a store (vLLM's world size)."""
+        the worker processes that each report a store (vLLM's world size); `store`: where
+        kvpool's decisions are taken (a node daemon's client), else a manager of its own."""
         self.page = page
         self.block_size = page.block_size
         config = page.manager_config(settings, model_id)
-        try:
-            self.manager = KVCacheManager(config)
-        except ConfigError as error:  # (its levels are the connector's settings)
-            raise ConfigError(
-                f"kv_connector_extra_config does not fit this model ({error}; "
-                "cache_tiers[0] is host_bytes, cache_tiers[1] disk_bytes)"
-            ) from error
         # kvpool's layer group of each vLLM group; where a block is (host, disk): a full
         # attention group's page if there is one (a window's pages are only its tail)
         self.layer_groups = page.layer_groups(KVLayout(config.layers, config.tokens_per_block))
         groups = zip(page.groups, self.layer_groups, strict=True)
         full = [lg for group, lg in groups if group.window is None]
-        self._tier_group = (full or self.layer_groups)[0]
+        tier_group = (full or self.layer_groups)[0]
+        self.manager: Any = None  # (in process: the connector's own manager)
+        self.store: Store
+        if store is not None:
+            self.store = store
+        else:
+            try:
+                self.manager = KVCacheManager(config)
+            except ConfigError as error:  # (its levels are the connector's settings)
+                raise ConfigError(
+                    f"kv_connector_extra_config does not fit this model ({error}; "
+                    "cache_tiers[0] is host_bytes, cache_tiers[1] disk_bytes)"
+                ) from error
+            self.store = LocalStore(self.manager, tier_group)
         self.num_workers = num_workers
         self._windowed = page.windowed  # (prompts are stored after their prefill)
-        self.shared = self.manager.shared_memory()
         self.adapters = AdapterIdentities()
         self.async_lookups = settings.async_lookups
-        self.lookups = AsyncLookups(self.manager)
+        self.lookups = getattr(self.store, "lookups", None)  # (in process: for tests)
         self.persist_on_shutdown = settings.disk_persist
         self.loads: dict[str, _Pending] = {}
         self.saves: dict[str, _Pending] = {}
         self.stores: dict[str, _Pending] = {}
         self._load_failed: set[str] = set()  # (vLLM recomputes them: no load offered again)
         self._prompts: dict[str, Any] = {}  # windowed models: prompts not stored yet
-        self._load_transfers: list[Transfer] = []
-        self._save_transfers: list[Transfer] = []
-        self._store_transfers: list[Transfer] = []
+        # (the store's generation each transfer's slots belong to, with the transfer)
+        self._load_transfers: list[tuple[int, Transfer]] = []
+        self._save_transfers: list[tuple[int, Transfer]] = []
+        self._store_transfers: list[tuple[int, Transfer]] = []
         self.counters = ConnectorCounters()
         self.stats_path = settings.stats_path
         self._written: dict[str, int] | None = None
         self._closed = False
+        self._waiting: set[str] = set()  # requests told "not yet" (their lookup's I/O runs)
+
+    @property
+    def shared(self) -> dict[str, str]:
+        """Where the store's first level is: pool file name -> the path a worker maps."""
+        return self.store.shared_memory()
 
     # -- loads ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -153,56 +173,29 @@ class SchedulerSide:
         usable = (len(tokens) - 1) // self.block_size * self.block_size  # vLLM computes the last
         if usable <= 0:
             return None
-        if request_id not in self.lookups:
-            self.counters.lookups += 1
         scope = reuse_scope(request, self.adapters)
-        if self.async_lookups:
-            answer, lookahead = self.lookups.ask(request_id, scope, tokens[:usable])
-            if answer is Answer.WAITING:
-                return _WAIT
-            if lookahead is None:  # (skipped: too many lookups wait already)
-                return None
-            cache = self.manager.create_kv_cache(scope, lookahead.tokens, lookahead=lookahead)
+        found = self.store.lookup(request_id, scope, tokens[:usable], self.async_lookups)
+        if found is Outcome.WAITING:
+            if request_id not in self._waiting:
+                self._waiting.add(request_id)
+                self.counters.lookups += 1
+            return _WAIT
+        if request_id in self._waiting:
+            self._waiting.discard(request_id)
         else:
-            if self.manager.probe_reuse(scope, tokens[:usable]) < self.block_size:
-                return None
-            cache = self.manager.create_kv_cache(scope, tokens[:usable])
-        if cache.num_committed_tokens < self.block_size:
-            cache.close()
-            return None
-        tiers = self._tiers_of(cache)
-        try:
-            resumed = cache.resume()
-        except (KVPoolError, OSError) as error:  # a read failed: a miss, not an engine error
-            log.warning("kvpool: cannot bring a prefix up for %s: %s", request_id, error)
+            self.counters.lookups += 1
+        if found is Outcome.FAILED:
             self.counters.load_failures += 1
-            cache.close()
+        if not isinstance(found, Hit):
             return None
-        served = cache.num_committed_tokens // self.block_size * self.block_size
-        if not resumed or served == 0:
-            cache.close()
-            return None
-        pending = _Pending(cache, [], served)
+        pending = _Pending(found.handle, [], found.tokens, slots=found.slots)
+        pending.generation = self.store.generation
         self.loads[request_id] = pending
-        self.counters.hit_tokens += served
+        self.counters.hit_tokens += found.tokens
         by_tier = self.counters.hit_tokens_by_tier
-        for block in range(served // self.block_size):
-            by_tier[tiers[block] if block < len(tiers) else "remote"] += self.block_size
+        for tier in found.tiers:
+            by_tier[tier] += self.block_size
         return pending
-
-    def _tiers_of(self, cache: Any) -> list[str]:
-        """Where each locally held block of a new kvpool request is now (before its resume):
-        its page's level in a full-attention group; a block without a page there (a window's
-        block out of the window) counts with the next block that has one."""
-        held = (cache.num_committed_tokens - cache.pending_remote_tokens) // self.block_size
-        tiers: list[str] = []
-        following = "host"
-        for page in reversed(cache.pages(self._tier_group)[:held]):
-            if page is not None:
-                following = "host" if page.level == 0 else "disk"
-            tiers.append(following)
-        tiers.reverse()
-        return tiers
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._windowed and reusable(request):
@@ -215,14 +208,14 @@ class SchedulerSide:
             return
         first = (pending.num_tokens - num_external_tokens) // self.block_size
         last = pending.num_tokens // self.block_size
-        transfer = self._load_transfer(request.request_id, pending.cache, first, last, blocks)
-        self._load_transfers.append(transfer)
+        transfer = self._load_transfer(request.request_id, pending, first, last, blocks)
+        self._load_transfers.append((pending.generation, transfer))
         self.counters.loaded_blocks += transfer.num_blocks
         pending.loaded = frozenset(block for ids in transfer.block_ids for block in ids)
         pending.in_flight = True
 
     def _load_transfer(
-        self, request_id: str, cache: Any, first: int, last: int, blocks: Any
+        self, request_id: str, pending: _Pending, first: int, last: int, blocks: Any
     ) -> Transfer:
         """Per vLLM group, the blocks vLLM allocated for the hit's blocks [first, last) (not
         the null blocks a sliding window has out of its window) and kvpool's slots for them
@@ -230,7 +223,8 @@ class SchedulerSide:
         block_ids: list[list[int]] = []
         slots: list[list[int]] = []
         for ids, group in zip(blocks.get_block_ids(), self.layer_groups, strict=True):
-            base = cache.get_base_page_indices(group)[first:last].tolist()
+            assert pending.slots is not None
+            base = pending.slots[group][first:last]
             pairs = [
                 (block, base[i] if i < len(base) else -1)
                 for i, block in enumerate(ids[first:last])
@@ -243,7 +237,7 @@ class SchedulerSide:
     def _release_load(self, request_id: str) -> None:
         pending = self.loads.pop(request_id, None)
         if pending is not None:
-            pending.cache.close()
+            self.store.release(pending.cache)
 
     # -- saves and stores ----------------------------------------------------------------
     def request_finished(
@@ -254,7 +248,9 @@ class SchedulerSide:
         request_id = request.request_id
         self._prompts.pop(request_id, None)
         self._load_failed.discard(request_id)
-        self.lookups.cancel(request_id)  # (aborted while its lookup's I/O ran)
+        if request_id in self._waiting:  # (aborted while its lookup's I/O ran)
+            self._waiting.discard(request_id)
+            self.store.cancel(request_id)
         load = self.loads.get(request_id)
         if load is not None:
             if load.in_flight:  # closed when the workers report the copy (vLLM keeps the
@@ -271,7 +267,7 @@ class SchedulerSide:
         if planned is None:
             return False, None
         self.saves[request_id], transfer = planned
-        self._save_transfers.append(transfer)
+        self._save_transfers.append((self.saves[request_id].generation, transfer))
         return True, None
 
     def _plan_save(
@@ -283,38 +279,34 @@ class SchedulerSide:
         block it needs is one vLLM already freed (a sliding window's). The remote tier is not
         asked (no I/O in vLLM's step): what only it holds is saved again."""
         scope = reuse_scope(request, self.adapters)
-        if self.manager.probe_reuse(scope, tokens, remote=False) >= len(tokens):
-            return None  # kvpool has all of it (at some level)
-        cache = self.manager.create_kv_cache(scope, tokens, remote=False)
-        try:
-            room = cache.resume() and cache.resize(len(tokens), len(tokens))
-        except (KVPoolError, OSError) as error:
-            log.warning("kvpool: not saving %s: %s", request.request_id, error)
-            room = False
-        if not room:
+        plan = self.store.plan_save(scope, tokens)
+        if plan is Outcome.NO_ROOM:
             self.counters.skipped_saves += 1
-            cache.close()
+        if not isinstance(plan, SavePlan):
+            return None  # (the store has all of it, at some level, or no room)
+        first = plan.first_block
+        last = len(tokens) // self.block_size
+        transfer = self._save_transfer(request.request_id, plan, first, last, block_ids)
+        if transfer is None:
+            self.counters.skipped_window_saves += 1
+            self.store.release(plan.handle)
             return None
-        held = cache.num_committed_tokens  # (final after resume: a remote fetch may shorten it)
-        first, last = held // self.block_size, len(tokens) // self.block_size
-        transfer = self._save_transfer(request.request_id, cache, first, last, block_ids)
-        if transfer is None or first >= last:
-            if transfer is None:
-                self.counters.skipped_window_saves += 1
-            cache.close()
-            return None
-        pending = _Pending(cache, tokens[held:], len(tokens), first, True, transfer.num_blocks)
+        held = first * self.block_size
+        pending = _Pending(
+            plan.handle, tokens[held:], len(tokens), first, True, transfer.num_blocks
+        )
+        pending.generation = self.store.generation
         return pending, transfer
 
     def _save_transfer(
-        self, request_id: str, cache: Any, first: int, last: int, block_ids: BlockIds
+        self, request_id: str, plan: SavePlan, first: int, last: int, block_ids: BlockIds
     ) -> Transfer | None:
         """Per vLLM group, the blocks [first, last) that kvpool has a new page for, and those
         pages' slots; None if vLLM no longer holds one of them."""
         ids: list[list[int]] = []
         slots: list[list[int]] = []
         for vllm, group in zip(block_ids, self.layer_groups, strict=True):
-            base = cache.get_base_page_indices(group)[first:last].tolist()
+            base = plan.slots[group]
             held = list(vllm[first:last])
             pairs = [(held[i] if i < len(held) else NULL_BLOCK_ID, s) for i, s in enumerate(base)]
             pairs = [(block, slot) for block, slot in pairs if slot >= 0]
@@ -341,20 +333,17 @@ class SchedulerSide:
             planned = self._plan_save(request, tokens, block_ids_of(request_id))
             if planned is not None:
                 self.stores[request_id], transfer = planned
-                self._store_transfers.append(transfer)
+                self._store_transfers.append((self.stores[request_id].generation, transfer))
 
     def _finish_save(self, pending: _Pending, failed: bool) -> None:
         """Commit a save's or a store's tokens (none if some worker failed), then write them
         to the remote tier at once (write-through: other engines find them now)."""
-        try:
-            if failed:  # some worker's bytes are missing: commit nothing
-                self.counters.failed_saves += 1
-            else:
-                pending.cache.commit(pending.tokens)
-                self.counters.saved_blocks += pending.blocks
-                self.manager.write_remote(pending.cache, pending.first_block)
-        finally:
-            pending.cache.close()
+        if failed or pending.generation != self.store.generation:  # bytes missing (or in
+            self.counters.failed_saves += 1  # a restarted daemon's old memory): nothing
+            self.store.release(pending.cache)
+            return
+        self.store.commit_save(pending.cache, pending.tokens, pending.first_block)
+        self.counters.saved_blocks += pending.blocks
 
     # -- each step -----------------------------------------------------------------------
     def build_connector_meta(
@@ -365,8 +354,12 @@ class SchedulerSide:
         if self._prompts and block_ids_of is not None:
             scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
             self._plan_stores(scheduled, block_ids_of)
+        generation = self.store.generation
         meta = KVPoolConnectorMetadata(
-            self.shared, self._save_transfers, self._load_transfers, self._store_transfers
+            self.shared,
+            _of_generation(self._save_transfers, generation),
+            _of_generation(self._load_transfers, generation),
+            _of_generation(self._store_transfers, generation),
         )
         self._save_transfers, self._load_transfers, self._store_transfers = [], [], []
         self._write_stats()
@@ -429,12 +422,9 @@ class SchedulerSide:
     def statistics(self) -> dict[str, Any]:
         """The connector's counters, kvpool's hits per level, the remote tier's counters, and
         the vLLM KV-cache groups it holds (with kvpool's layer group of each)."""
-        stats = self.manager.stats()
-        remote = self.manager.remote_statistics()
         return {
             **dataclasses.asdict(self.counters),
-            "manager_hit_tokens_by_level": list(stats.hit_tokens_by_level),
-            "remote": None if remote is None else dataclasses.asdict(remote),
+            **self.store.statistics(),
             "kv_cache_groups": [str(group) for group in self.page.groups],
             "kvpool_layer_groups": list(self.layer_groups),
         }
@@ -447,19 +437,30 @@ class SchedulerSide:
         if self._closed:
             return
         self._closed = True
-        self.lookups.cancel_all()
+        for request_id in self._waiting:
+            self.store.cancel(request_id)
+        self._waiting.clear()
         for pending in [*self.loads.values(), *self.saves.values(), *self.stores.values()]:
-            pending.cache.close()
+            self.store.release(pending.cache)
         self.loads.clear()
         self.saves.clear()
         self.stores.clear()
         self._prompts.clear()
         self._load_failed.clear()
         try:
-            self.manager.flush_remote_writes()
-            if self.persist_on_shutdown:  # (a restart finds the hot prefixes' heads too)
-                self.manager.save_to_disk()
             log.info("kvpool connector: %s", self.statistics())
             self._write_stats(force=True)
         finally:
-            self.manager.shutdown()
+            self.store.shutdown(self.persist_on_shutdown)
+
+
+def _of_generation(transfers: list[tuple[int, Transfer]], generation: int) -> list[Transfer]:
+    """The step's transfers; one whose slots are in another generation's shared memory (the
+    store's daemon restarted since it was planned) gets no slots, so that its workers fail
+    it (a load is recomputed, a save dropped) rather than copy the wrong pages."""
+    return [
+        t
+        if g == generation
+        else Transfer(t.request_id, t.block_ids, [[-1] * len(ids) for ids in t.block_ids])
+        for g, t in transfers
+    ]
