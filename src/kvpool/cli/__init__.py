@@ -1,4 +1,4 @@
-"""The `kvpool` command: `kvpool info` and `kvpool replay`.
+"""The `kvpool` command: `kvpool info`, `kvpool replay`, `kvpool generate`, `kvpool serve`.
 
 Every user error is one line, `kvpool: error: ...`, with exit status 2, raised before any work is
 done; Ctrl-C during a replay stops it cleanly (a partial report, exit status 130). The library
@@ -25,6 +25,7 @@ from kvpool.cli.arguments import (
 from kvpool.cli.generate import add_generate_parser
 from kvpool.cli.info import DEFAULT_MODEL, in_flag_terms, info_command, tiers_of
 from kvpool.cli.replay import INTERRUPTED, remote_config, replay_command
+from kvpool.cli.serve import add_serve_parser, check_serve
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.presets import PRESETS
 from kvpool.replay.policy import OFFLINE_OPTIMUM, POLICIES
@@ -249,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay_parser.set_defaults(run=replay_command)
     add_generate_parser(commands, formatter, _memory_flags)
+    add_serve_parser(commands, formatter)
     return parser
 
 
@@ -325,6 +327,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     with status 2 and one line, `kvpool: error: ...`, before any work."""
     parser = build_parser()
     args = parser.parse_args(joined_negative_sizes(argv))
+    if args.command == "serve":
+        check_serve(parser, args)
+        return args
     if args.disk and args.disk_path is None:
         args.disk_path = _default_disk_path()
     if isinstance(getattr(args, "policy", None), str):

@@ -1,0 +1,234 @@
+"""An engine's side of the node daemon: a `store.Store` whose decisions the daemon takes. It
+never holds up the engine: a call the daemon does not answer within `timeout_s` (or a daemon
+that is gone) is a miss or no save; the client then drops the connection (the daemon releases
+what it held), marks the daemon down, and connects again on a later call, after a back-off.
+
+The daemon's shared memory arrives as file descriptors with its welcome (SCM_RIGHTS); the
+client keeps them open and gives the engine's workers `/proc/<this pid>/fd/<fd>` paths, so it
+works across PID namespaces. Each connection is a new `generation`: handles and slots of an
+older one are stale (the connector fails their copies; `release` and `commit_save` ignore
+them)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+
+from kvpool.config import ReuseScope
+from kvpool.errors import ConfigError
+from kvpool.node import protocol as p
+from kvpool.node.daemon import _set_timeouts
+from kvpool.node.store import Hit, Outcome, SavePlan
+from kvpool.tokens import Token
+
+log = logging.getLogger("kvpool.node")
+
+
+@dataclass
+class RemoteHandle:
+    """A daemon's request holding pages for this engine."""
+
+    client: NodeClient
+    generation: int
+    number: int
+
+    def close(self) -> None:
+        self.client.release(self)
+
+
+class NodeClient:
+    """A `store.Store` over a `kvpool serve` daemon at `path` (module docstring)."""
+
+    def __init__(
+        self,
+        path: str,
+        hello: p.Hello,
+        timeout_s: float = 0.1,
+        retry_s: tuple[float, float] = (0.25, 5.0),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = path
+        self.hello = hello
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.clock = clock
+        self.generation = 0  # the connection whose memory `shared_memory()` maps
+        self.counters = {"connects": 0, "failures": 0, "refusals": 0, "calls": 0}
+        self.last_error = ""
+        self._sock: socket.socket | None = None
+        self._conn: Connection | None = None
+        self._fds: dict[str, int] = {}
+        self._next_try = 0.0
+        self._backoff = retry_s[0]
+
+    def connect(self, required: bool = False) -> bool:
+        """Connect and say hello now; False (logged) if the daemon is not there. A daemon that
+        refuses this engine (another layout, another protocol version) is a `ConfigError`
+        with `required`."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            _set_timeouts(sock, self.timeout_s)
+            sock.connect(self.path)
+            conn = Connection(os.dup(sock.fileno()))
+            conn.send_bytes(p.encoder.encode(self.hello))
+            if not conn.poll(max(self.timeout_s, 2.0)):  # (the first builds the manager)
+                raise TimeoutError("no welcome")
+            reply = p.reply_decoder.decode(conn.recv_bytes(p.MAX_MESSAGE))
+            if isinstance(reply, p.Refused):
+                conn.close()
+                self.counters["refusals"] += 1
+                raise ConfigError(f"the kvpool node daemon at {self.path} refused: {reply.reason}")
+            if not isinstance(reply, p.Welcome):
+                raise OSError(f"unexpected reply {type(reply).__name__}")
+            fds: list[int] = []
+            if reply.pools:
+                _, fds, _, _ = socket.recv_fds(sock, 1, len(reply.pools))
+            if len(fds) != len(reply.pools):
+                for fd in fds:
+                    os.close(fd)
+                raise OSError(f"{len(fds)} descriptors for {len(reply.pools)} pools")
+        except ConfigError as error:
+            sock.close()
+            self._down(str(error))
+            if required:
+                raise
+            log.error("kvpool: %s", error)
+            return False
+        except (OSError, EOFError, TimeoutError, msgspec.DecodeError) as error:
+            sock.close()
+            self._down(f"cannot connect to the kvpool node daemon at {self.path}: {error!r}")
+            return False
+        old = self._fds
+        self._fds = dict(zip(reply.pools, fds, strict=True))
+        for fd in old.values():  # (after the new ones are open: no number is reused at once)
+            os.close(fd)
+        self._sock, self._conn = sock, conn
+        self.generation += 1
+        self.counters["connects"] += 1
+        self._backoff = self.retry_s[0]
+        log.info("kvpool: connected to the node daemon at %s (%s)", self.path, reply.daemon)
+        return True
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None
+
+    def _down(self, why: str) -> None:
+        """Drop the connection (the daemon releases what this engine held) and try again
+        after the back-off, doubled each failure."""
+        if self._conn is not None or why != self.last_error:
+            log.warning("kvpool: node daemon unavailable (%s); computing without it", why)
+        self.last_error = why
+        self.counters["failures"] += 1
+        self._close_connection()
+        self._next_try = self.clock() + self._backoff
+        self._backoff = min(self._backoff * 2, self.retry_s[1])
+
+    def _close_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._sock is not None:
+            self._sock.close()
+        self._conn = self._sock = None
+
+    def _call(self, message: Any) -> Any:
+        """The daemon's reply, or None (it is down or too slow: the caller's fallback)."""
+        if self._conn is None and (self.clock() < self._next_try or not self.connect()):
+            return None
+        conn = self._conn
+        assert conn is not None
+        self.counters["calls"] += 1
+        try:
+            conn.send_bytes(p.encoder.encode(message))
+            if not conn.poll(self.timeout_s):
+                raise TimeoutError(f"no reply within {self.timeout_s * 1000:.0f} ms")
+            reply = p.reply_decoder.decode(conn.recv_bytes(p.MAX_MESSAGE))
+        except (OSError, EOFError, TimeoutError, msgspec.DecodeError) as error:
+            self._down(repr(error))
+            return None
+        if isinstance(reply, p.Refused):
+            self._down(f"refused: {reply.reason}")
+            return None
+        return reply
+
+    # -- the store -----------------------------------------------------------------------
+    def lookup(
+        self, key: str, scope: ReuseScope | None, tokens: Sequence[Token], async_io: bool
+    ) -> Hit | Outcome:
+        lora, salt = _scope(scope)
+        reply = self._call(p.Lookup(key, lora, salt, _ints(tokens), async_io))
+        if not isinstance(reply, p.LookupReply):
+            return Outcome.MISS
+        if reply.outcome != "hit":
+            return Outcome(reply.outcome)
+        handle = RemoteHandle(self, self.generation, reply.handle)
+        return Hit(handle, reply.tokens, reply.slots, reply.tiers)
+
+    def cancel(self, key: str) -> None:
+        if self._conn is not None:
+            self._call(p.Cancel(key))
+
+    def plan_save(self, scope: ReuseScope | None, tokens: Sequence[Token]) -> SavePlan | Outcome:
+        lora, salt = _scope(scope)
+        reply = self._call(p.PlanSave(lora, salt, _ints(tokens)))
+        if not isinstance(reply, p.SaveReply):
+            return Outcome.NO_ROOM  # (unreachable: no save)
+        if reply.outcome != "plan":
+            return Outcome(reply.outcome)
+        handle = RemoteHandle(self, self.generation, reply.handle)
+        return SavePlan(handle, reply.first_block, reply.slots)
+
+    def commit_save(self, handle: Any, tokens: Sequence[Token], first_block: int) -> None:
+        if self._current(handle):
+            self._call(p.CommitSave(handle.number, _ints(tokens), first_block))
+
+    def release(self, handle: Any) -> None:
+        if self._current(handle):
+            self._call(p.Release(handle.number))
+
+    def _current(self, handle: RemoteHandle) -> bool:
+        """Whether the daemon still holds it (a dropped connection released everything)."""
+        return self._conn is not None and handle.generation == self.generation
+
+    def shared_memory(self) -> dict[str, str]:
+        pid = os.getpid()
+        return {name: f"/proc/{pid}/fd/{fd}" for name, fd in self._fds.items()}
+
+    def statistics(self) -> dict[str, Any]:
+        reply = self._call(p.Stats()) if self._conn is not None else None
+        node = reply.stats if isinstance(reply, p.StatsReply) else None
+        return {"node": node, "node_client": dict(self.counters, generation=self.generation)}
+
+    def shutdown(self, persist: bool = False) -> None:
+        """Close the connection (the daemon releases what is left) and the shared memory's
+        descriptors (the workers' mappings keep theirs until they end)."""
+        self._close_connection()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+def _scope(scope: ReuseScope | None) -> tuple[int | None, str | None]:
+    if scope is None:
+        return None, None
+    salt = scope.salt
+    if salt is not None and not isinstance(salt, str):
+        salt = repr(salt)
+    return scope.lora_id, salt
+
+
+def _ints(tokens: Sequence[Token]) -> list[int]:
+    """(Token ids of an engine are ints; msgspec checks as it encodes.)"""
+    found: Any = tokens if isinstance(tokens, list) else list(tokens)
+    return found  # type: ignore[no-any-return]
+
+
+__all__ = ["NodeClient", "RemoteHandle"]
