@@ -87,7 +87,7 @@ class Daemon:
 
 def client(sock: str, model: str = "model-a", timeout_s: float = 1.0) -> NodeClient:
     found = NodeClient(sock, hello(model), timeout_s=timeout_s, retry_s=(0.05, 0.2))
-    found.connect(required=True)
+    assert found.connect(required=True), found.last_error
     return found
 
 

@@ -262,15 +262,17 @@ class NodeDaemon:
             finally:
                 probe.close()
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        staged = f"{path}.{os.getpid()}"  # (renamed once it listens: no refused connects)
         old = os.umask(0o177 if self._group is None else 0o117)  # (no window with wider modes)
         try:
-            listener.bind(path)
+            listener.bind(staged)
         finally:
             os.umask(old)
         if self._group is not None:
-            os.chown(path, -1, self._group)
-            os.chmod(path, 0o660)
+            os.chown(staged, -1, self._group)
+            os.chmod(staged, 0o660)
         listener.listen(128)
+        os.rename(staged, path)
         listener.setblocking(False)
         self.selector.register(listener, selectors.EVENT_READ, None)
         return listener

@@ -124,7 +124,7 @@ def socket_path(url: object, name: str = "node_cache") -> str:
             "of a `kvpool serve` daemon on this node)"
         )
     if len(parsed.path.encode()) > 107:
-        raise ConfigError(f"{name}={url!r} is invalid: a socket path is at most 107 bytes")
+        raise ConfigError(f"{name}={url!r} is invalid: must be a socket path of at most 107 bytes")
     return parsed.path
 
 
