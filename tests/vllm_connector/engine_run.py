@@ -12,7 +12,8 @@ and a line describing the engine's KV cache (`ENGINE {...}`).
  "kill_after_round": PID | null, "max_tokens": 8, "num_blocks": 48 (null: vLLM sizes its pool
  from VLLM_CPU_KVCACHE_SPACE), "prefix_caching": true, "tp": 1, "block_size": 32,
  "max_model_len": 1024, "disable_hybrid_kv_cache_manager": false (true: vLLM's flag),
- "kv_load_failure_policy": "recompute"}
+ "kv_load_failure_policy": "recompute", "sleep_after_round": seconds (0), "linger": seconds
+ after its results before it exits (0)}
 
 `ENGINE`: {"kv_cache_size_tokens": vLLM's "KV cache size: N tokens", "num_gpu_blocks": its
 block count, "hybrid_kv_cache_manager": whether vLLM kept its hybrid allocator on}.
@@ -24,6 +25,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 
 def main() -> None:
@@ -101,7 +103,9 @@ def main() -> None:
         )
         if spec.get("kill_after_round") is not None and round_index == 0:
             os.kill(spec["kill_after_round"], signal.SIGKILL)
+        time.sleep(spec.get("sleep_after_round", 0))
     print("RESULT " + json.dumps(rounds), flush=True)
+    time.sleep(spec.get("linger", 0))  # (a test may kill the engine now, its KV still held)
     del llm
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,18 +69,22 @@ class NodeClient:
         self._fds: dict[str, int] = {}
         self._next_try = 0.0
         self._backoff = retry_s[0]
+        self._lock = threading.Lock()  # (the reconnecting thread installs a connection)
+        self._connecting = False
 
-    def connect(self, required: bool = False) -> bool:
-        """Connect and say hello now; False (logged) if the daemon is not there. A daemon that
-        refuses this engine (another layout, another protocol version) is a `ConfigError`
-        with `required`."""
+    def connect(self, required: bool = False, welcome_s: float = 10.0) -> bool:
+        """Connect and say hello now, waiting up to `welcome_s` for the welcome (the daemon's
+        first engine makes it build its manager); False (logged) if the daemon is not there.
+        A daemon that refuses this engine (another layout, another protocol version) is a
+        `ConfigError` with `required`."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             _set_timeouts(sock, self.timeout_s)
             sock.connect(self.path)
             conn = Connection(os.dup(sock.fileno()))
             conn.send_bytes(p.encoder.encode(self.hello))
-            if not conn.poll(max(self.timeout_s, 2.0)):  # (the first builds the manager)
+            if not conn.poll(max(self.timeout_s, welcome_s)):
+                conn.close()
                 raise TimeoutError("no welcome")
             reply = p.reply_decoder.decode(conn.recv_bytes(p.MAX_MESSAGE))
             if isinstance(reply, p.Refused):
@@ -87,50 +92,77 @@ class NodeClient:
                 self.counters["refusals"] += 1
                 raise ConfigError(f"the kvpool node daemon at {self.path} refused: {reply.reason}")
             if not isinstance(reply, p.Welcome):
+                conn.close()
                 raise OSError(f"unexpected reply {type(reply).__name__}")
             fds: list[int] = []
             if reply.pools:
                 _, fds, _, _ = socket.recv_fds(sock, 1, len(reply.pools))
             if len(fds) != len(reply.pools):
+                conn.close()
                 for fd in fds:
                     os.close(fd)
                 raise OSError(f"{len(fds)} descriptors for {len(reply.pools)} pools")
         except ConfigError as error:
             sock.close()
-            self._down(str(error))
+            with self._lock:
+                self._down(str(error))
             if required:
                 raise
             log.error("kvpool: %s", error)
             return False
         except (OSError, EOFError, TimeoutError, msgspec.DecodeError) as error:
             sock.close()
-            self._down(f"cannot connect to the kvpool node daemon at {self.path}: {error!r}")
+            with self._lock:
+                self._down(f"cannot connect to the kvpool node daemon at {self.path}: {error!r}")
             return False
-        old = self._fds
-        self._fds = dict(zip(reply.pools, fds, strict=True))
-        for fd in old.values():  # (after the new ones are open: no number is reused at once)
-            os.close(fd)
-        self._sock, self._conn = sock, conn
-        self.generation += 1
-        self.counters["connects"] += 1
-        self._backoff = self.retry_s[0]
+        with self._lock:
+            self._close_connection()
+            old = self._fds
+            self._fds = dict(zip(reply.pools, fds, strict=True))
+            for fd in old.values():  # (after the new ones are open: no number reused at once)
+                os.close(fd)
+            self._sock, self._conn = sock, conn
+            self.generation += 1
+            self.counters["connects"] += 1
+            self._backoff = self.retry_s[0]
         log.info("kvpool: connected to the node daemon at %s (%s)", self.path, reply.daemon)
         return True
+
+    def _reconnect_in_background(self) -> None:
+        """Connect again off the caller's thread (an engine's scheduler never waits for a
+        daemon that is starting, or stuck); calls are misses until it is done."""
+        if self._connecting or self.clock() < self._next_try:
+            return
+        self._connecting = True
+
+        def run() -> None:
+            try:
+                self.connect()
+            finally:
+                self._connecting = False
+
+        threading.Thread(target=run, name="kvpool-node-reconnect", daemon=True).start()
 
     @property
     def connected(self) -> bool:
         return self._conn is not None
 
     def _down(self, why: str) -> None:
-        """Drop the connection (the daemon releases what this engine held) and try again
-        after the back-off, doubled each failure."""
-        if self._conn is not None or why != self.last_error:
+        """Drop the connection (the daemon releases what this engine held). A connection that
+        worked is tried again on the next call (a restarted daemon is likely there already);
+        a failed connect after the back-off, doubled each time."""
+        was_up = self._conn is not None  # (the caller holds the lock)
+        if was_up or why != self.last_error:
             log.warning("kvpool: node daemon unavailable (%s); computing without it", why)
         self.last_error = why
         self.counters["failures"] += 1
         self._close_connection()
-        self._next_try = self.clock() + self._backoff
-        self._backoff = min(self._backoff * 2, self.retry_s[1])
+        if was_up:
+            self._backoff = self.retry_s[0]
+            self._next_try = self.clock()
+        else:
+            self._next_try = self.clock() + self._backoff
+            self._backoff = min(self._backoff * 2, self.retry_s[1])
 
     def _close_connection(self) -> None:
         if self._conn is not None:
@@ -141,23 +173,24 @@ class NodeClient:
 
     def _call(self, message: Any) -> Any:
         """The daemon's reply, or None (it is down or too slow: the caller's fallback)."""
-        if self._conn is None and (self.clock() < self._next_try or not self.connect()):
-            return None
-        conn = self._conn
-        assert conn is not None
-        self.counters["calls"] += 1
-        try:
-            conn.send_bytes(p.encoder.encode(message))
-            if not conn.poll(self.timeout_s):
-                raise TimeoutError(f"no reply within {self.timeout_s * 1000:.0f} ms")
-            reply = p.reply_decoder.decode(conn.recv_bytes(p.MAX_MESSAGE))
-        except (OSError, EOFError, TimeoutError, msgspec.DecodeError) as error:
-            self._down(repr(error))
-            return None
-        if isinstance(reply, p.Refused):
-            self._down(f"refused: {reply.reason}")
-            return None
-        return reply
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                self._reconnect_in_background()
+                return None
+            self.counters["calls"] += 1
+            try:
+                conn.send_bytes(p.encoder.encode(message))
+                if not conn.poll(self.timeout_s):
+                    raise TimeoutError(f"no reply within {self.timeout_s * 1000:.0f} ms")
+                reply = p.reply_decoder.decode(conn.recv_bytes(p.MAX_MESSAGE))
+            except (OSError, EOFError, TimeoutError, msgspec.DecodeError) as error:
+                self._down(repr(error))
+                return None
+            if isinstance(reply, p.Refused):
+                self._down(f"refused: {reply.reason}")
+                return None
+            return reply
 
     # -- the store -----------------------------------------------------------------------
     def lookup(
@@ -199,8 +232,14 @@ class NodeClient:
         return self._conn is not None and handle.generation == self.generation
 
     def shared_memory(self) -> dict[str, str]:
+        return self.memory()[1]
+
+    def memory(self) -> tuple[int, dict[str, str]]:
+        """The generation and its shared memory's paths, together (a reconnect changes both)."""
         pid = os.getpid()
-        return {name: f"/proc/{pid}/fd/{fd}" for name, fd in self._fds.items()}
+        with self._lock:
+            paths = {name: f"/proc/{pid}/fd/{fd}" for name, fd in self._fds.items()}
+            return self.generation, paths
 
     def statistics(self) -> dict[str, Any]:
         reply = self._call(p.Stats()) if self._conn is not None else None
@@ -210,10 +249,25 @@ class NodeClient:
     def shutdown(self, persist: bool = False) -> None:
         """Close the connection (the daemon releases what is left) and the shared memory's
         descriptors (the workers' mappings keep theirs until they end)."""
-        self._close_connection()
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds = {}
+        with self._lock:
+            self._next_try = float("inf")  # (no reconnecting after this)
+            self._close_connection()
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds = {}
+
+
+def daemon_statistics(path: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """A daemon's statistics, asked without a hello (an operator's or a test's look)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        _set_timeouts(sock, timeout_s)
+        sock.connect(path)
+        with Connection(os.dup(sock.fileno())) as conn:
+            conn.send_bytes(p.encoder.encode(p.Stats()))
+            reply = p.reply_decoder.decode(conn.recv_bytes(p.MAX_MESSAGE))
+    if not isinstance(reply, p.StatsReply):
+        raise OSError(f"the daemon at {path} answered {reply!r}")
+    return reply.stats
 
 
 def _scope(scope: ReuseScope | None) -> tuple[int | None, str | None]:
@@ -231,4 +285,4 @@ def _ints(tokens: Sequence[Token]) -> list[int]:
     return found  # type: ignore[no-any-return]
 
 
-__all__ = ["NodeClient", "RemoteHandle"]
+__all__ = ["NodeClient", "RemoteHandle", "daemon_statistics"]

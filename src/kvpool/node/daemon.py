@@ -340,6 +340,8 @@ class NodeDaemon:
         self.counters.requests += 1
         if isinstance(message, p.Hello):
             reply: p.Reply = self._hello(client, message)
+        elif isinstance(message, p.Stats):  # (no hello needed: an operator's look)
+            reply = p.StatsReply(self.statistics())
         elif client.hello is None:
             reply = p.Refused("the first message must be a hello")
         else:
@@ -499,7 +501,7 @@ class NodeDaemon:
     def statistics(self) -> dict[str, Any]:
         stats: dict[str, Any] = {
             **dataclasses.asdict(self.counters),
-            "engines": len(self._clients),
+            "engines": sum(c.hello is not None for c in self._clients.values()),
             "held": sum(len(c.handles) for c in self._clients.values()),
             "held_by_gone_engines": sum(len(c.handles) for _, c in self._graces),
         }

@@ -76,6 +76,8 @@ class Store(Protocol):
 
     def shared_memory(self) -> dict[str, str]: ...
 
+    def memory(self) -> tuple[int, dict[str, str]]: ...
+
     def statistics(self) -> dict[str, Any]: ...
 
     def shutdown(self, persist: bool) -> None: ...
@@ -191,7 +193,12 @@ class LocalStore:
         handle.close()
 
     def shared_memory(self) -> dict[str, str]:
+        """Each pool's file name -> the path another process maps."""
         return self.manager.shared_memory()
+
+    def memory(self) -> tuple[int, dict[str, str]]:
+        """The generation (always 0: the memory never changes) and `shared_memory()`."""
+        return 0, self.manager.shared_memory()
 
     def statistics(self) -> dict[str, Any]:
         remote = self.manager.remote_statistics()

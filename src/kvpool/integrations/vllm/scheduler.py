@@ -37,6 +37,8 @@ from kvpool.integrations.vllm.scoping import AdapterIdentities, reusable, reuse_
 from kvpool.integrations.vllm.settings import NULL_BLOCK_ID, ConnectorSettings, PageFormat
 from kvpool.layout import KVLayout
 from kvpool.manager import KVCacheManager
+from kvpool.node.client import NodeClient
+from kvpool.node.protocol import VERSION, Hello, Layer
 from kvpool.node.store import Hit, LocalStore, Outcome, SavePlan, Store
 
 log = logging.getLogger("kvpool.vllm")
@@ -105,6 +107,8 @@ class SchedulerSide:
         self.store: Store
         if store is not None:
             self.store = store
+        elif settings.node_cache is not None:
+            self.store = node_client(settings, config, model_id, tier_group)
         else:
             try:
                 self.manager = KVCacheManager(config)
@@ -354,9 +358,9 @@ class SchedulerSide:
         if self._prompts and block_ids_of is not None:
             scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
             self._plan_stores(scheduled, block_ids_of)
-        generation = self.store.generation
+        generation, shared = self.store.memory()
         meta = KVPoolConnectorMetadata(
-            self.shared,
+            shared,
             _of_generation(self._save_transfers, generation),
             _of_generation(self._load_transfers, generation),
             _of_generation(self._store_transfers, generation),
@@ -452,6 +456,29 @@ class SchedulerSide:
             self._write_stats(force=True)
         finally:
             self.store.shutdown(self.persist_on_shutdown)
+
+
+def node_client(
+    settings: ConnectorSettings, config: Any, model_id: str, tier_group: int
+) -> NodeClient:
+    """A client of the node daemon at `settings.node_cache`, said hello to now: a daemon of
+    another layout is a `ConfigError` at the engine's start; an absent one is not (the engine
+    computes until it is there)."""
+    layers = [
+        Layer(
+            layer.layer_id,
+            [(buffer.role, buffer.size) for buffer in layer.buffers],
+            layer.sliding_window_size,
+        )
+        for layer in config.layers
+    ]
+    hello = Hello(
+        VERSION, model_id, config.tokens_per_block, layers, tier_group, f"vllm-{os.getpid()}"
+    )
+    assert settings.node_cache is not None
+    client = NodeClient(settings.node_cache, hello, timeout_s=settings.node_timeout_ms / 1000)
+    client.connect(required=True)
+    return client
 
 
 def _of_generation(transfers: list[tuple[int, Transfer]], generation: int) -> list[Transfer]:

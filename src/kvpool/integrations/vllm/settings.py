@@ -16,6 +16,8 @@ Keys of `kv_connector_extra_config` (all optional):
 | `kv_events_endpoint` | ZMQ endpoint publishing kvpool's KV events | none |
 | `stats_path` | a file the scheduler side keeps its counters in (JSON, rewritten as they change) | none |
 | `async_lookups` | a lookup that needs disk or the remote tier answers vLLM "not yet" while its I/O runs off the scheduler's thread (`lookups.py`); `false`: it reads inside the scheduler's step | `true` |
+| `node_cache` | `unix:///path/to.sock`: a `kvpool serve` daemon's socket; its one manager serves every engine on the node (the levels are the daemon's flags, not these keys) | none |
+| `node_timeout_ms` | bound on every call to the node daemon (past it: a miss, no save; reconnects by itself) | 100 |
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvpool.config import (
 )
 from kvpool.errors import ConfigError
 from kvpool.layout import KVLayout
+from kvpool.node.protocol import socket_path
 
 GiB = 1 << 30
 EXTRA_CONFIG_KEYS = (
@@ -52,6 +55,20 @@ EXTRA_CONFIG_KEYS = (
     "kv_events_endpoint",
     "stats_path",
     "async_lookups",
+    "node_cache",
+    "node_timeout_ms",
+)
+# the daemon's flags set these in node mode (`kvpool serve --help`)
+DAEMON_KEYS = (
+    "host_bytes",
+    "disk_bytes",
+    "disk_path",
+    "disk_persist",
+    "remote_url",
+    "remote_namespace",
+    "remote_timeout_ms",
+    "eviction_policy",
+    "kv_events_endpoint",
 )
 
 
@@ -96,6 +113,8 @@ class ConnectorSettings:
     kv_events_endpoint: str | None = None
     stats_path: str | None = None
     async_lookups: bool = True
+    node_cache: str | None = None  # the daemon's socket path (from its unix:// URL)
+    node_timeout_ms: int = 100
 
     @classmethod
     def parse(cls, extra: object) -> ConnectorSettings:
@@ -111,6 +130,27 @@ class ConnectorSettings:
                 "left out: kvpool's host level is anonymous shared memory handed to vLLM's "
                 "workers by file descriptor (no file in /dev/shm)",
             )
+        node_cache = None
+        if "node_cache" in extra:
+            try:
+                node_cache = socket_path(extra["node_cache"])
+            except ConfigError:
+                _fail(
+                    "node_cache",
+                    extra["node_cache"],
+                    "unix:///absolute/path/to.sock, at most 107 bytes (a `kvpool serve` "
+                    "daemon's socket on this node)",
+                )
+            for key in DAEMON_KEYS:
+                if key in extra:
+                    _fail(
+                        key,
+                        extra[key],
+                        "left out with node_cache: the node daemon's levels are its own "
+                        f"(kvpool serve --{key.replace('_', '-')})",
+                    )
+        elif "node_timeout_ms" in extra:
+            _fail("node_timeout_ms", extra["node_timeout_ms"], "left out without node_cache")
         unknown = sorted(str(key) for key in extra if key not in EXTRA_CONFIG_KEYS)
         if unknown:
             _fail(
@@ -146,6 +186,8 @@ class ConnectorSettings:
             kv_events_endpoint=_str(extra, "kv_events_endpoint", None),
             stats_path=_str(extra, "stats_path", None),
             async_lookups=_bool(extra, "async_lookups", True),
+            node_cache=node_cache,
+            node_timeout_ms=_int(extra, "node_timeout_ms", 100, 1),
         )
         if settings.remote_url is not None:
             try:
