@@ -332,11 +332,13 @@ def stored_value_keys(server, manager, tokens):
     from kvpool.tokens import encode_checked, root_key
 
     tier = manager._remote
-    key, keys = root_key(None), []
+    key, chain = root_key(None), []
     for i in range(len(tokens) // TPB):
         key = sha256(key + encode_checked(tokens[i * TPB : (i + 1) * TPB])).digest()
-        keys.append([tier.key(key, g) for g in range(len(manager.layout.life_cycles))])
-    return keys
+        chain.append(key)
+    groups = range(len(manager.layout.life_cycles))
+    tags = tier.tags(b"", chain, 0)
+    return [[tier.key(k, g, t) for g in groups] for k, t in zip(chain, tags, strict=True)]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header", "other-type"])
@@ -545,6 +547,8 @@ def test_a_three_node_cluster_spreads_and_serves_the_blocks(tmp_path, managers):
         (dict(url="valkey://a:1", cluster="yes"), "remote_tier.cluster"),
         (dict(url="valkey://a:1", namespace=3), "remote_tier.namespace"),
         (dict(url="valkey://a:1", shard=-1), "remote_tier.shard"),
+        (dict(url="valkey://a:1", placement_tokens=-1), r"remote_tier.placement_tokens.*>= 0"),
+        (dict(url="valkey://a:1", placement_tokens="512"), "remote_tier.placement_tokens"),
     ],
 )
 def test_bad_remote_config_is_refused_by_field(fields, named):

@@ -117,39 +117,47 @@ class ValkeyServer:
         self.process = None
 
 
-def start_cluster(directory: Path, nodes: int = 3) -> list[ValkeyServer]:
-    """`nodes` cluster-enabled servers, introduced to each other (CLUSTER MEET) with the 16,384
-    hash slots split between them (CLUSTER ADDSLOTSRANGE); returns once every node reports the
-    cluster ok."""
+def start_cluster(
+    directory: Path, nodes: int = 3, replicas: int = 0, node_timeout_ms: int = 1000
+) -> list[ValkeyServer]:
+    """`nodes` cluster-enabled primaries (and `replicas` replicas of each, after them in the
+    list: replica j of primary i is at nodes + i * replicas + j), introduced to each other
+    (CLUSTER MEET) with the 16,384 hash slots split evenly between the primaries (CLUSTER
+    ADDSLOTSRANGE), serving their live slots when a node fails (`cluster-require-full-coverage
+    no`); returns once every node reports the cluster ok and every replica is in sync."""
     servers: list[ValkeyServer] = []
     bus_ports: list[int] = []
     try:
-        for i in range(nodes):
+        for i in range(nodes * (1 + replicas)):
             node_dir = directory / f"node{i}"
             extra = (
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(node_dir / "nodes.conf"),
                 "--cluster-port", str(free_port()),  # (port + 10000 may not exist)
+                "--cluster-node-timeout", str(node_timeout_ms),
+                "--cluster-require-full-coverage", "no",
+                "--cluster-replica-validity-factor", "0",  # (a replica always may take over)
             )  # fmt: skip
-            bus_ports.append(int(extra[-1]))
+            bus_ports.append(int(extra[5]))
             servers.append(ValkeyServer(node_dir, extra=extra).start())
         clients = [s.client() for s in servers]
         for client in clients[1:]:
             client.execute_command("CLUSTER", "MEET", "127.0.0.1", servers[0].port, bus_ports[0])
         per_node = 16384 // nodes
-        for i, client in enumerate(clients):
+        for i, client in enumerate(clients[:nodes]):
             first = i * per_node
             last = 16383 if i == nodes - 1 else first + per_node - 1
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
-        deadline = time.monotonic() + 20
-        while True:
-            infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
-            texts = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
-            if all("cluster_state:ok" in t for t in texts):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the cluster did not form: {texts[0]}")
-            time.sleep(0.1)
+        wait_for(lambda: all(b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO")
+                             for c in clients), "the cluster did not form")  # fmt: skip
+        ids = [node_id(c) for c in clients]
+        for i in range(nodes):
+            for j in range(replicas):
+                replica = clients[nodes + i * replicas + j]
+                wait_for(lambda r=replica, i=i: _knows(r, ids[i]), "a replica met no primary")
+                replica.execute_command("CLUSTER", "REPLICATE", ids[i])
+        for replica in clients[nodes:]:
+            wait_for(lambda r=replica: _in_sync(r), "a replica did not sync")
         for client in clients:
             client.close()
         return servers
@@ -157,3 +165,61 @@ def start_cluster(directory: Path, nodes: int = 3) -> list[ValkeyServer]:
         for server in servers:
             server.stop()
         raise
+
+
+def wait_for(condition, what: str, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RuntimeError(what)
+        time.sleep(0.05)
+
+
+def node_id(client) -> str:  # type: ignore[no-untyped-def]
+    answer = client.execute_command("CLUSTER", "MYID")
+    return answer.decode() if isinstance(answer, bytes) else str(answer)
+
+
+def cluster_nodes(client) -> list[list[str]]:  # type: ignore[no-untyped-def]
+    """CLUSTER NODES, one list of fields per node."""
+    answer = client.execute_command("CLUSTER", "NODES")
+    text = answer.decode() if isinstance(answer, bytes) else str(answer)
+    return [line.split() for line in text.splitlines() if line.strip()]
+
+
+def _knows(client, wanted: str) -> bool:  # type: ignore[no-untyped-def]
+    return any(fields[0] == wanted for fields in cluster_nodes(client))
+
+
+def _in_sync(client) -> bool:  # type: ignore[no-untyped-def]
+    info = client.info("replication")
+    return info.get("role") == "slave" and info.get("master_link_status") == "up"
+
+
+def move_slots(source: ValkeyServer, target: ValkeyServer, slots: list[int], finish: bool = True,
+               keys_per_slot: int | None = None) -> int:  # fmt: skip
+    """Reshard: move `slots` from `source` to `target` as `valkey-cli --cluster reshard` does
+    (IMPORTING and MIGRATING, MIGRATE of each slot's keys, SETSLOT NODE); with `finish`
+    False, at most `keys_per_slot` keys of each slot move and the slots stay migrating (ASK
+    redirections). Returns the keys moved."""
+    src, dst = source.client(), target.client()
+    src_id, dst_id = node_id(src), node_id(dst)
+    moved = 0
+    for slot in slots:
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while True:
+            limit = 100 if keys_per_slot is None else keys_per_slot
+            keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, limit)
+            if not keys:
+                break
+            src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+            moved += len(keys)
+            if keys_per_slot is not None:
+                break
+        if finish:
+            for client in (dst, src):
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    src.close()
+    dst.close()
+    return moved

@@ -166,6 +166,11 @@ class RemoteCacheTierConfig:
     part of the model's KV this manager holds: under tensor parallelism, the rank (ranks hold
     different KV heads in pages of the same layout; managers of different shards never share
     values; `kvpool.distributed.Agreement` refuses a mismatch).
+
+    `placement_tokens`: on a cluster, the blocks of a prompt's first `placement_tokens` tokens
+    live with its first block, the rest with the block there (hash tags in the keys), so a
+    failed node costs only the prompts it holds. 0: whole chains with their first block; None:
+    each block on its own. Instances sharing a tier must agree (see the remote-tier guide).
     """
 
     url: str | Sequence[str]
@@ -180,6 +185,7 @@ class RemoteCacheTierConfig:
     reconnect_min_ms: int = 100
     reconnect_max_ms: int = 10_000
     shard: int = 0
+    placement_tokens: int | None = 512
 
     @property
     def urls(self) -> list[str]:
@@ -211,6 +217,8 @@ class RemoteCacheTierConfig:
             _positive_int(f"{name}.{field_name}", getattr(self, field_name))
         _positive_int(f"{name}.reconnect_min_ms", self.reconnect_min_ms)
         check_int(f"{name}.shard", self.shard, 0, None, ConfigError)
+        if self.placement_tokens is not None:
+            check_int(f"{name}.placement_tokens", self.placement_tokens, 0, None, ConfigError)
         check_int(
             f"{name}.reconnect_max_ms",
             self.reconnect_max_ms,

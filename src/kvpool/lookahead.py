@@ -47,6 +47,7 @@ class RemoteQuery:
     parent_key: bytes
     tokens: list[Token]
     start: int
+    parent_tag: bytes = b""  # the tag of local block start - 1 (`Block.tag`)
 
 
 @dataclass(eq=False)
@@ -172,7 +173,10 @@ def _fetch_remote(
     tier: RemoteTier, store: RemoteStore, query: RemoteQuery, stats: RemoteStatistics
 ) -> RemotePrefix | None:
     """The remote prefix past the local match, its values fetched and checked (None: none)."""
-    prefix = tier.lookup(query.parent_key, query.tokens, query.start, store=store, stats=stats)
+    prefix = tier.lookup(
+        query.parent_key, query.tokens, query.start, store=store, stats=stats,
+        parent_tag=query.parent_tag,
+    )  # fmt: skip
     if prefix is None:
         return None
     end, payloads = tier.fetch(prefix, store=store, stats=stats)

@@ -25,6 +25,8 @@ given (e.g. `model_name`), plus its own:
 | kvpool:rebalance_duration_seconds | histogram | | |
 | kvpool:call_duration_seconds | histogram | call | after `manager.time_calls()` |
 | kvpool:remote_* | counter | | the remote tier's counters, when there is one |
+| kvpool:remote_node_calls, _errors, _skipped_calls, _redirects, _reconnects | counter | node | per node of a remote cluster (`KVCacheManager.remote_nodes()`) |
+| kvpool:remote_node_latency_seconds | histogram | node | per node: its pipelines' latency, failed ones included |
 """
 
 from __future__ import annotations
@@ -161,6 +163,40 @@ class PrometheusMetrics:
             for field in fields(stats.remote):
                 value = getattr(stats.remote, field.name)
                 yield counter(f"remote_{field.name}", f"remote tier: {field.name}", value)
+        yield from self._remote_nodes(constant, values)
+
+    def _remote_nodes(self, constant: list[str], values: list[str]) -> Iterator[Any]:
+        """Per node of a remote cluster: its counters and latency histogram."""
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        from kvpool.remote.cluster import LATENCY_BUCKETS
+
+        nodes = self.manager.remote_nodes()
+        if not nodes:
+            return
+        family: Any
+        labels = [*constant, "node"]
+        for name, documentation in (
+            ("calls", "pipelines the node answered"),
+            ("errors", "pipelines to the node that failed (connection, timeout)"),
+            ("skipped_calls", "pipelines not sent while the node was backing off"),
+            ("redirects", "MOVED and ASK answers of the node followed"),
+            ("reconnects", "times the node answered again after failing"),
+        ):
+            family = CounterMetricFamily(f"kvpool:remote_node_{name}", documentation, labels=labels)
+            for address, stats in nodes.items():
+                family.add_metric([*values, address], getattr(stats, name))
+            yield family
+        family = HistogramMetricFamily(
+            "kvpool:remote_node_latency_seconds", "latency of pipelines to the node", labels=labels
+        )
+        for address, stats in nodes.items():
+            cumulative, buckets = 0.0, []
+            for bound, count in zip([*LATENCY_BUCKETS, float("inf")], stats.latency, strict=True):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            family.add_metric([*values, address], buckets, stats.seconds)
+        yield family
 
     def serve(self, port: int, address: str = "0.0.0.0") -> int:
         """Serve /metrics over HTTP on `port` (0: a free one) from a daemon thread; returns the

@@ -55,7 +55,7 @@ def lost_block(block: Block, tokens_per_block: int) -> LostBlock | None:
         return None
     parent = block.parent
     parent_key = None if parent is None or parent.parent is None else parent.key
-    return LostBlock(block.key, parent_key, block.data, block.scope)
+    return LostBlock(block.key, parent_key, block.data, block.scope, block.tag)
 
 
 @dataclass
@@ -82,6 +82,10 @@ class RadixTree:
         self._no_pages: list[None] = [None] * layout.num_layer_groups  # a new block's pages
         self._spare: list[Block] = []
         self._tokens_per_block = layout.tokens_per_block
+        # A chain's blocks take the `tag` of its first block up to this ordinal, that of the
+        # block at this ordinal from there on: a remote cluster keeps each part on one node
+        # (`RemoteCacheTierConfig.placement_tokens`); -1: every block is its own tag.
+        self.placement_blocks = -1
         # Told where full blocks' pages enter or leave the tree (None: no KV events).
         self.kv_events: KVEventLog | None = None
         # Per layer group: blocks below this ordinal need its page to stay reusable (every
@@ -248,6 +252,8 @@ class RadixTree:
             block.used_at, block.uses, block.candidate = 0, 0, False
         else:
             block = Block(key, parent, data, num_tokens, self._no_pages)
+        ordinal, placement = block.ordinal, self.placement_blocks
+        block.tag = key if placement < 0 or ordinal == 0 or ordinal == placement else parent.tag
         self.index[key] = block
         return block
 

@@ -122,6 +122,7 @@ class Block:
         "pages",
         "parent",
         "scope",
+        "tag",
         "used_at",
         "uses",
     )
@@ -141,6 +142,9 @@ class Block:
         self.num_tokens = num_tokens
         self.ordinal: int = -1 if parent is None else parent.ordinal + 1
         self.scope: bytes = key if parent is None else parent.scope  # the root's key
+        # The key whose hash slot places the block's remote values on a cluster's node (its
+        # own, or an ancestor's: `RadixTree.placement_blocks`).
+        self.tag: bytes = key
         # Kept only by an eviction policy that needs them (`kvpool.policies`):
         self.used_at = 0  # when a request last used it (the policy's logical time)
         self.uses = 0  # how many requests used it
@@ -202,3 +206,4 @@ class LostBlock(NamedTuple):
     parent_key: bytes | None  # None for a scope's first block
     data: bytes
     scope: bytes
+    tag: bytes  # the key that places its remote values (`Block.tag`)

@@ -117,6 +117,7 @@ class ManagerCore:
         if self._config.remote_tier is not None:
             try:
                 self._remote = RemoteTier(self._config.remote_tier, self.layout)
+                self._tree.placement_blocks = self._remote.placement_blocks
             except BaseException:
                 self._storage.close()
                 raise

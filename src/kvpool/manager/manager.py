@@ -16,7 +16,7 @@ from kvpool.manager.rebalancing import Rebalancing
 from kvpool.manager.recovery import DiskRecovery
 from kvpool.radix import Match, lost_block
 from kvpool.records import LostBlock, Page
-from kvpool.remote import RemotePrefix, RemoteStatistics
+from kvpool.remote import NodeStatistics, RemotePrefix, RemoteStatistics
 from kvpool.storage.memory import DiskMemory
 from kvpool.storage.shared import SharedHostMemory, shared_pool_file
 from kvpool.tokens import Token, root_key
@@ -170,9 +170,9 @@ class KVCacheManager(Rebalancing):
         match = self._tree.match(scope_key, tokens, self._config.enable_partial_reuse)
         query = None
         if self._remote is not None:
-            _, parent_key, start = self._aligned(scope_key, tokens, match)
+            aligned, parent_key, start = self._aligned(scope_key, tokens, match)
             if len(tokens) // self.tokens_per_block > start:
-                query = RemoteQuery(parent_key, tokens, start)
+                query = RemoteQuery(parent_key, tokens, start, _parent_tag(aligned))
         lookahead = Lookahead(scope_key, tokens, self._disk_ranges(match), query)
         if self._lookaheads is None:
             self._lookaheads = LookaheadPool(self._remote, self._config.lookahead_threads)
@@ -208,7 +208,8 @@ class KVCacheManager(Rebalancing):
         self, scope_key: bytes, tokens: list[Token], match: Match
     ) -> tuple[Match, bytes, int]:
         """`match` cut to whole blocks (the remote tier holds whole blocks), the key of its
-        last block (the scope's when none) and its number of blocks."""
+        last block (the scope's when none) and its number of blocks. (The last block's tag,
+        which the remote lookup also needs: `_parent_tag`.)"""
         tpb = self.tokens_per_block
         aligned = match
         if match.num_tokens % tpb:
@@ -231,7 +232,7 @@ class KVCacheManager(Rebalancing):
             return match, None
         aligned, parent_key, start = self._aligned(scope_key, tokens, match)
         if lookahead is None:
-            prefix = self._remote.lookup(parent_key, tokens, start)
+            prefix = self._remote.lookup(parent_key, tokens, start, parent_tag=_parent_tag(aligned))
         else:  # (its answer continues the local match as it is now, or it is not used)
             prefix = lookahead.remote
             if prefix is not None and (prefix.start != start or prefix.parent_key != parent_key):
@@ -242,6 +243,12 @@ class KVCacheManager(Rebalancing):
         if prefix is None or prefix.end * tpb <= match.num_tokens:
             return match, None
         return aligned, prefix
+
+    def remote_nodes(self) -> dict[str, NodeStatistics]:
+        """Per node of a remote cluster (its address; the nodes serving slots first, in slot
+        order): calls, errors, skipped calls, redirections, reconnects and latency of every
+        connection of this manager to it. Empty without a cluster."""
+        return {} if self._remote is None else self._remote.node_statistics()
 
     def write_remote(self, cache: object, first_block: SupportsIndex = 0) -> int:
         """Write `cache`'s committed full blocks from `first_block` on to the remote tier now
@@ -375,3 +382,8 @@ class KVCacheManager(Rebalancing):
             raise LogicError(
                 f"{operation}() with {len(self._living)} KV cache(s) still open; close them first"
             )
+
+
+def _parent_tag(aligned: Match) -> bytes:
+    """The tag of a block-aligned match's last block (b"" when it has none)."""
+    return aligned.blocks[-1].tag if aligned.blocks else b""

@@ -1,11 +1,13 @@
 """The connection to the shared store: batched calls with a bounded time each, and a server
 that may come and go.
 
-Every call is one pipeline (one round trip per server, or per shard of a cluster), bounded by
+Every call is one pipeline (one round trip per server, or per node of a cluster), bounded by
 the socket timeout. A failed call (connection refused, timeout, a server error) returns None
 and marks the server down for a backoff that doubles up to a limit; calls in that window are
 skipped (counted) instead of waiting on a dead server, and the first call after it reconnects.
-Nothing here raises on a server problem: the remote tier is a cache.
+On a cluster (`kvpool.remote.cluster`) the same holds per node: a failed node costs the keys
+it holds, the others answer. Nothing here raises on a server problem: the remote tier is a
+cache.
 
 `WriteBack` writes values from a thread of its own (with a client of its own), so an engine
 step never waits for the network; its queue is bounded and what does not fit is dropped and
@@ -22,41 +24,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import urlsplit
 
 from kvpool.config import RemoteCacheTierConfig
 from kvpool.errors import ConfigError, StorageError
+from kvpool.remote.cluster import ClusterClient
+from kvpool.remote.statistics import RemoteStatistics
 
 logger = logging.getLogger("kvpool.remote")
-
-
-@dataclass
-class RemoteStatistics:
-    """Counters of the remote tier (`KVCacheManager.remote_statistics()`)."""
-
-    lookups: int = 0  # existence queries answered by the server
-    found_blocks: int = 0  # blocks past the local prefix those queries found
-    fetched_blocks: int = 0  # blocks fetched into local pages: hits from other instances
-    hit_tokens: int = 0  # tokens those blocks gave requests
-    missing_values: int = 0  # values gone between the lookup and the fetch (evicted)
-    corrupt_values: int = 0  # values that failed their check (never written into a page)
-    errors: int = 0  # calls that failed: connection, timeout, server error
-    skipped_calls: int = 0  # calls not made while the server was down (backoff)
-    refused_commands: int = 0  # commands of an answered call the server refused (per key)
-    reconnects: int = 0  # times the server came back after being down
-    queued_writes: int = 0  # values handed to the write-back thread
-    written_values: int = 0
-    dropped_writes: int = 0  # not queued: the write-back queue was full
-    failed_writes: int = 0  # lost to a failed call
-    bytes_written: int = 0
-    bytes_read: int = 0
-
-    def __add__(self, other: RemoteStatistics) -> RemoteStatistics:
-        return RemoteStatistics(
-            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        )
 
 
 def url_without_password(url: str) -> str:
@@ -94,6 +70,10 @@ class RemoteStore:
         self._down = False
         self.last_error = ""  # the last failed call's error (never with a password)
         self._last_exception: BaseException | None = None
+        self.cluster: ClusterClient | None = None  # (per node: `kvpool.remote.cluster`)
+        if config.cluster or len(config.urls) > 1:
+            self.cluster = ClusterClient(config, clock, self._errors, self.stats, self._node_failed)
+        self.last_unreached: frozenset[int] = frozenset()  # keys of the last call not asked
 
     @property
     def where(self) -> str:
@@ -102,13 +82,24 @@ class RemoteStore:
 
     @property
     def available(self) -> bool:
+        if self.cluster is not None:
+            return not self.cluster.nodes or any(not n.down for n in self.cluster.nodes.values())
         return not self._down
 
     def connect(self) -> None:
         """Reach the server now: `StorageError` naming it and the cause (refused, timed out,
         credentials refused, a database it does not have) when it does not answer (unless the
         config tolerates that: then a warning, and the tier runs degraded until it answers)."""
-        if self._call(lambda client: client.ping(), quiet=True) is None:
+        if self.cluster is not None:
+            reached = self.cluster.refresh(force=True)
+            if not reached:
+                self.stats.errors += 1
+                self._last_exception = self.cluster.last_exception
+                error = self._last_exception
+                self.last_error = self._without_passwords(f"{type(error).__name__}: {error}")
+        else:
+            reached = self._call(lambda client: client.ping(), quiet=True) is not None
+        if not reached:
             code, cause = self._cause()
             message = f"the remote tier at {self.where} {cause} ({self.last_error})"
             if not self.config.tolerate_unavailable:
@@ -141,6 +132,9 @@ class RemoteStore:
         """Whether each key is stored (None: the server could not be asked)."""
         if not keys:
             return []
+        if self.cluster is not None:
+            answers = self._on_cluster([("EXISTS", key) for key in keys])
+            return [answer == 1 for answer in answers]
 
         def run(client: Any) -> list[bool]:
             pipe = client.pipeline(transaction=False)
@@ -153,8 +147,12 @@ class RemoteStore:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
         """The value of each key (None for an absent one; None for all: no server)."""
+        self.last_unreached = frozenset()
         if not keys:
             return []
+        if self.cluster is not None:
+            answers = self._on_cluster([("GET", key) for key in keys])
+            return [v if isinstance(v, bytes) else None for v in answers]
 
         def run(client: Any) -> list[bytes | None]:
             pipe = client.pipeline(transaction=False)
@@ -170,6 +168,9 @@ class RemoteStore:
         failed)."""
         if not items:
             return 0
+        if self.cluster is not None:
+            answers = self._on_cluster([("SET", key, value) for key, value in items])
+            return sum(1 for answer in answers if answer in (b"OK", "OK", True))
 
         def run(client: Any) -> int:
             pipe = client.pipeline(transaction=False)
@@ -181,6 +182,10 @@ class RemoteStore:
         return written or 0
 
     def delete_many(self, keys: Sequence[bytes]) -> bool:
+        if self.cluster is not None:
+            answers = self._on_cluster([("DEL", key) for key in keys])
+            return all(isinstance(answer, int) for answer in answers)
+
         def run(client: Any) -> bool:
             pipe = client.pipeline(transaction=False)
             for key in keys:
@@ -189,6 +194,33 @@ class RemoteStore:
             return True
 
         return bool(self._call(run))
+
+    def _on_cluster(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """`commands` on the cluster's nodes: a refused command answers None (counted), one
+        whose node was not reached answers None too (its index in `last_unreached`)."""
+        assert self.cluster is not None
+        answers = self.cluster.execute(commands)
+        unreached = set()
+        for i, answer in enumerate(answers):
+            if answer is ClusterClient.UNREACHED:
+                unreached.add(i)
+                answers[i] = None
+            elif isinstance(answer, BaseException):
+                self.stats.refused_commands += 1
+                answers[i] = None
+        self.last_unreached = frozenset(unreached)
+        return answers
+
+    def _node_failed(self, error: BaseException, address: str) -> None:
+        """A cluster node failed a call (`address`: empty when it was down already)."""
+        self._last_exception = error
+        self.last_error = self._without_passwords(f"{type(error).__name__}: {error}")
+        if address:
+            logger.warning(
+                "the cluster node %s of the remote tier failed (%s): backing off",
+                address,
+                self.last_error,
+            )
 
     def _answers(self, pipe: Any) -> list[Any]:
         """Run a pipeline; a command the server refused (a key of another type, an
@@ -231,8 +263,6 @@ class RemoteStore:
         self._down = True
         self._retry_at = self._clock() + self._backoff
         self._backoff = min(self._backoff * 2, self.config.reconnect_max_ms / 1000)
-        if self.config.cluster or len(self.config.urls) > 1:
-            self._drop_client()  # a cluster client is rebuilt: its topology may have changed
 
     def _without_passwords(self, text: str) -> str:
         """`text` with every password this store knows (URLs, the environment) masked."""
@@ -245,7 +275,6 @@ class RemoteStore:
 
     def _make_client(self) -> Any:
         import valkey
-        from valkey.cluster import ClusterNode, ValkeyCluster
 
         config = self.config
         timeout = config.timeout_ms / 1000
@@ -254,18 +283,6 @@ class RemoteStore:
         password = first.password or os.environ.get(config.password_env) or None
         if password is not None and first.password is None:
             options["password"] = password
-        if config.cluster or len(config.urls) > 1:
-            nodes = [
-                ClusterNode(urlsplit(url).hostname or "localhost", urlsplit(url).port or 6379)  # type: ignore[no-untyped-call]
-                for url in config.urls
-            ]
-            if first.password is not None:
-                options["password"] = first.password
-            if first.username:
-                options["username"] = first.username
-            if first.scheme in ("valkeys", "rediss"):
-                options["ssl"] = True
-            return ValkeyCluster(startup_nodes=nodes, cluster_error_retry_attempts=1, **options)
         return valkey.Valkey.from_url(config.urls[0], **options)
 
     def _drop_client(self) -> None:
@@ -276,6 +293,8 @@ class RemoteStore:
 
     def close(self) -> None:
         self._drop_client()
+        if self.cluster is not None:
+            self.cluster.close()
 
 
 class WriteBack:

@@ -23,6 +23,7 @@ from kvpool.config import RemoteCacheTierConfig
 from kvpool.layout import KVLayout
 from kvpool.lifecycles import AttentionLifeCycle
 from kvpool.records import LostBlock, Page
+from kvpool.remote.cluster import NodeStatistics
 from kvpool.remote.store import RemoteStatistics, RemoteStore, WriteBack
 from kvpool.remote.values import decode_value, encode_value, key_of, namespace_of
 from kvpool.tokens import Token, encode_checked
@@ -39,6 +40,7 @@ class RemotePrefix:
     end: int
     parent_key: bytes  # the key of block start - 1 (the scope's key when start is 0)
     keys: list[bytes]  # chained keys of blocks start .. end - 1
+    tags: list[bytes | None]  # the tag placing each of them (`RemoteTier.placement_blocks`)
     datas: list[bytes]  # their encoded tokens
     tokens: list[Token]  # the prompt's first end x tokens-per-block tokens
     num_tokens: int  # the tokens of blocks [start, end): what it adds to the local prefix
@@ -69,12 +71,29 @@ class RemoteTier:
         self._writer = WriteBack(RemoteStore(config, clock), config.max_pending_writes)
         self._stats = RemoteStatistics()  # fetch and hit counters (the stores count the rest)
         self._extra_stores: list[RemoteStore] = []  # the look-ahead threads' own connections
+        # Where a chain's second part starts (its tags: `RadixTree.placement_blocks`); -1: none.
+        tokens = config.placement_tokens
+        self.placement_blocks = -1 if tokens is None else tokens // self._tpb
 
     @property
     def statistics(self) -> RemoteStatistics:
         total = self._stats + self.store.stats + self._writer.store.stats
         for store in list(self._extra_stores):
             total += store.stats
+        return total
+
+    def node_statistics(self) -> dict[str, NodeStatistics]:
+        """Per cluster node (its address, by slot order of the nodes serving slots first):
+        the counters of every connection of the tier to it; empty without a cluster."""
+        stores = [self.store, self._writer.store, *list(self._extra_stores)]
+        total: dict[str, NodeStatistics] = {}
+        first = self.store.cluster.primaries() if self.store.cluster is not None else []
+        for address in first:
+            total[address] = NodeStatistics()
+        for store in stores:
+            if store.cluster is not None:
+                for address, stats in list(store.cluster.stats.items()):
+                    total[address] = total.get(address, NodeStatistics()) + stats
         return total
 
     def new_store(self) -> RemoteStore:
@@ -87,8 +106,22 @@ class RemoteTier:
         """Counters of a lookup done by another thread, on the manager's thread."""
         self._stats += stats
 
-    def key(self, block_key: bytes, layer_group: int) -> bytes:
-        return key_of(self.namespace, block_key, layer_group)
+    def key(self, block_key: bytes, layer_group: int, tag: bytes | None) -> bytes:
+        return key_of(self.namespace, block_key, layer_group, tag)
+
+    def tags(self, parent_tag: bytes, keys: list[bytes], start: int) -> list[bytes | None]:
+        """The tags of blocks start, start + 1, ... (of chained `keys`) after a block tagged
+        `parent_tag`: the first block's and the one at `placement_blocks` are their own, the
+        others their parent's (as the tree gives them: `RadixTree._new_block`)."""
+        placement = self.placement_blocks
+        if placement < 0:
+            return [None] * len(keys)
+        tags: list[bytes | None] = []
+        tag = parent_tag
+        for index, key in enumerate(keys, start):
+            tag = key if index in (0, placement) else tag
+            tags.append(tag)
+        return tags
 
     # -- which pages a prefix needs --------------------------------------------------------------
 
@@ -123,9 +156,11 @@ class RemoteTier:
         start: int,
         store: RemoteStore | None = None,
         stats: RemoteStatistics | None = None,
+        parent_tag: bytes = b"",
     ) -> RemotePrefix | None:
         """The remote part of the prefix of `tokens` past its first `start` (local) blocks
-        (asked on `store` and counted in `stats`: by default the tier's own)."""
+        (asked on `store` and counted in `stats`: by default the tier's own); `parent_tag` is
+        the tag of local block start - 1 (`Block.tag`)."""
         store = self.store if store is None else store
         stats = self._stats if stats is None else stats
         tpb = self._tpb
@@ -140,7 +175,10 @@ class RemoteTier:
             keys.append(key)
             datas.append(data)
         groups = len(self._groups)
-        found = store.exists([self.key(k, g) for k in keys for g in range(groups)])
+        tags = self.tags(parent_tag, keys, start)
+        found = store.exists(
+            [self.key(k, g, t) for k, t in zip(keys, tags, strict=True) for g in range(groups)]
+        )
         if found is None:
             return None
         stats.lookups += 1
@@ -150,7 +188,14 @@ class RemoteTier:
         stats.found_blocks += end - start
         n = end - start
         return RemotePrefix(
-            start, end, parent_key, keys[:n], datas[:n], list(tokens[: end * tpb]), n * tpb
+            start,
+            end,
+            parent_key,
+            keys[:n],
+            tags[:n],
+            datas[:n],
+            list(tokens[: end * tpb]),
+            n * tpb,
         )
 
     def fetch(
@@ -171,16 +216,19 @@ class RemoteTier:
         while end > start:
             wanted = [pair for pair in self.needed(start, end) if pair not in fetched]
             if wanted:
-                keys = [self.key(prefix.keys[i - start], g) for i, g in wanted]
+                keys = [
+                    self.key(prefix.keys[i - start], g, prefix.tags[i - start]) for i, g in wanted
+                ]
                 values = store.get_many(keys)
-                for key, (i, g), value in zip(
-                    keys, wanted, values or [None] * len(wanted), strict=True
+                unreached = store.last_unreached  # (a cluster's failed nodes: not missing)
+                for n, (key, (i, g), value) in enumerate(
+                    zip(keys, wanted, values or [None] * len(wanted), strict=True)
                 ):
                     size = self._payload_bytes[self.layout.pool_group_of[g]]
                     payload = decode_value(key, value, size)
                     if payload is not None:
                         stats.bytes_read += len(value)  # type: ignore[arg-type]
-                    elif values is not None:
+                    elif values is not None and n not in unreached:
                         if value is None:
                             stats.missing_values += 1
                         else:
@@ -204,6 +252,7 @@ class RemoteTier:
             end,
             prefix.parent_key,
             prefix.keys[:n],
+            prefix.tags[:n],
             prefix.datas[:n],
             prefix.tokens[: end * self._tpb],
             n * self._tpb,
@@ -230,7 +279,8 @@ class RemoteTier:
             except OSError:
                 self._stats.failed_writes += 1
                 continue
-            key = self.key(block.key, page.layer_group)
+            tag = None if self.placement_blocks < 0 else block.tag
+            key = self.key(block.key, page.layer_group, tag)
             values.append((key, encode_value(key, payload)))
             indices.append(i)
         if not values:

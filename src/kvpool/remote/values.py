@@ -1,7 +1,8 @@
 """What the shared tier stores: content-addressed keys and self-checking values.
 
-A key is a fixed prefix, a 16-byte namespace, the block's 32-byte chained key (which already
-includes the reuse scope and the whole prefix) and the layer group. The namespace hashes the
+A key is a fixed prefix, a hash tag placing it on a cluster's node (see `key_of`), a 16-byte
+namespace, the block's 32-byte chained key (which already includes the reuse scope and the
+whole prefix) and the layer group. The namespace hashes the
 model's layout (tokens per block, life cycles, every buffer's placement and size), the user's
 model id, the tenant namespace and the shard: two models or two tenants never read each other's KV.
 
@@ -53,14 +54,23 @@ def namespace_of(layout: KVLayout, model_id: str, namespace: str, shard: int = 0
     return hashlib.sha256(b"\0".join(len(p).to_bytes(4, "little") + p for p in parts)).digest()[:16]
 
 
-def key_of(namespace: bytes, block_key: bytes, layer_group: int) -> bytes:
-    return KEY_PREFIX + namespace + block_key + layer_group.to_bytes(2, "little")
+def key_of(namespace: bytes, block_key: bytes, layer_group: int, tag: bytes | None = None) -> bytes:
+    """The key of a block's page; with `tag` (a block key: `Block.tag`), a hash tag of it
+    (``{`` 16 hex digits ``}``) right after the prefix, so that a cluster puts every key of
+    that tag in one hash slot."""
+    body = namespace + block_key + layer_group.to_bytes(2, "little")
+    if tag is None:
+        return KEY_PREFIX + body
+    return KEY_PREFIX + b"{" + tag[:8].hex().encode() + b"}" + body
 
 
 def encode_value(key: bytes, payload: bytes) -> bytes:
     """The value stored under `key` (from `key_of`): a header naming the key, then `payload`."""
-    body = key[len(KEY_PREFIX) :]
-    assert key.startswith(KEY_PREFIX) and len(body) == _KEY_BODY_BYTES, key
+    body = key[-_KEY_BODY_BYTES:]
+    assert key.startswith(KEY_PREFIX) and len(key) in (
+        len(KEY_PREFIX) + _KEY_BODY_BYTES,
+        len(KEY_PREFIX) + _KEY_BODY_BYTES + 18,
+    ), key
     header = _HEADER.pack(MAGIC, VERSION, body, len(payload), zlib.crc32(payload))
     return header + payload
 
@@ -76,7 +86,7 @@ def decode_value(key: bytes, value: bytes | None, expected_length: int) -> memor
     if (
         magic != MAGIC
         or version != VERSION
-        or stored_key != key[len(KEY_PREFIX) :]
+        or stored_key != key[-_KEY_BODY_BYTES:]
         or length != expected_length
         or len(payload) != length
         or zlib.crc32(payload) != checksum

@@ -113,6 +113,9 @@ class ReplayReport:
     # None without a remote tier.
     remote_hit_tokens: int = 0
     remote: dict[str, int] | None = None
+    # Per node of a remote cluster (address -> calls, errors, skipped_calls, redirects,
+    # reconnects, mean_ms): empty without one.
+    remote_nodes: dict[str, dict[str, float]] = field(default_factory=dict)
     dropped_pages: int = 0
     pages_moved_to_level: list[int] = field(default_factory=list)
     bytes_moved_to_level: list[int] = field(default_factory=list)
@@ -259,6 +262,16 @@ class Replay:
             manager.shutdown()  # (writes what is queued for the remote tier first)
             remote = manager.remote_statistics()
             report.remote = None if remote is None else asdict(remote)
+            for address, node in manager.remote_nodes().items():
+                answered = node.calls + node.errors
+                report.remote_nodes[address] = {
+                    "calls": node.calls,
+                    "errors": node.errors,
+                    "skipped_calls": node.skipped_calls,
+                    "redirects": node.redirects,
+                    "reconnects": node.reconnects,
+                    "mean_ms": node.seconds / answered * 1000 if answered else 0.0,
+                }
         report.wall_seconds = time.perf_counter() - start
         report.peak_concurrency = max(concurrency, default=0)
         report.mean_concurrency = float(np.mean(concurrency)) if concurrency else 0.0

@@ -96,6 +96,15 @@ def summary_rows(report: ReplayReport) -> list[tuple[str, str]]:
                 f"{remote['errors']:,} failed calls",
             )
         )
+        for address, node in report.remote_nodes.items():
+            rows.append(
+                (
+                    f"  node {address}",
+                    f"{node['calls']:,.0f} calls ({node['mean_ms']:.2f} ms mean), "
+                    f"{node['errors']:,.0f} failed, {node['skipped_calls']:,.0f} skipped, "
+                    f"{node['redirects']:,.0f} redirected",
+                )
+            )
     delay, ttft = report.queueing_delay, report.time_to_first_token
     rows += [
         ("concurrency peak / mean", f"{report.peak_concurrency} / {report.mean_concurrency:.1f}"),
