@@ -147,9 +147,10 @@ def test_a_daemon_killed_and_restarted_costs_hits_never_tokens(engine_a, engine_
     for round_ in rounds:
         assert tokens(round_) == tokens(rounds_a[0])
     assert max(cached(rounds[1])) < HITS  # the restarted daemon was empty (vLLM's own hits)
-    # reconnected in the background while round 1 ran (its first prompt, which found the
-    # daemon gone, was neither loaded nor saved): round 1's later saves are hits
+    # reconnected in the background while round 1 ran (the prompts that found the daemon gone,
+    # or building its manager for its first engine, were neither loaded nor saved): round 1's
+    # later saves are hits
     hits = cached(rounds[2]).count(HITS)
-    assert cached(rounds[2])[-1] == HITS and hits >= 2
+    assert cached(rounds[2])[-1] == HITS
     assert counters["hit_tokens_by_tier"]["host"] == (3 + hits) * HITS
     assert counters["node_client"]["connects"] == 2 and counters["node_client"]["failures"] >= 1

@@ -181,8 +181,7 @@ class NodeClient:
             self.counters["calls"] += 1
             try:
                 conn.send_bytes(p.encoder.encode(message))
-                if not conn.poll(self.timeout_s):
-                    raise TimeoutError(f"no reply within {self.timeout_s * 1000:.0f} ms")
+                # (SO_RCVTIMEO bounds the wait: past `timeout_s` an OSError, EAGAIN)
                 reply = p.reply_decoder.decode(conn.recv_bytes(p.MAX_MESSAGE))
             except (OSError, EOFError, TimeoutError, msgspec.DecodeError) as error:
                 self._down(repr(error))

@@ -1,0 +1,192 @@
+"""One KV cache per node against a cache per engine, and what the node daemon's socket costs.
+
+1. Hits: the multi-turn workload of benchmarks/vllm_connector.py (a first message of 1,200
+   tokens, 250 new tokens and a 16-token answer a turn; each turn of a conversation after a turn
+   of every other), sent round-robin to `--engines` engines; with the same total host memory,
+   per-engine managers (each `--host-mib / engines`, in this process: the decisions a
+   connector's own manager takes) against one `kvpool serve` daemon holding all of it (its
+   engines' clients over the socket). Prompt tokens served from kvpool are counted; the ratio is
+   shared / per-engine. (Store level: no model runs; TTFT needs vLLM engines.)
+2. Latency: a lookup that hits (48 blocks) in process (`LocalStore`) against the same lookup
+   through the daemon (`NodeClient`); the difference is the daemon's added latency. Then
+   `--clients` processes issuing lookups at once: each lookup's latency, p50 and p99.
+
+Run: python benchmarks/bench_node.py [--engines 2] [--conversations 15] [--host-mib 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+
+from tests.node_helpers import BLOCK, Daemon, client, hello, socket_dir  # noqa: E402
+
+from kvpool.manager import KVCacheManager  # noqa: E402
+from kvpool.node.daemon import DaemonSettings  # noqa: E402
+from kvpool.node.store import Hit, LocalStore, SavePlan  # noqa: E402
+
+MiB = 1 << 20
+
+
+def workload(conversations: int, turns: int, seed: int = 0) -> list[tuple[int, list[int]]]:
+    """(conversation, prompt tokens) in arrival order: turn t of every conversation, then t+1."""
+    rng = random.Random(seed)
+    history = [[rng.randrange(50_000) for _ in range(1200)] for _ in range(conversations)]
+    requests = []
+    for _ in range(turns):
+        for c in range(conversations):
+            requests.append((c, list(history[c])))
+            history[c] += [rng.randrange(50_000) for _ in range(16 + 250)]  # answer, new message
+    return requests
+
+
+def serve(store, key: str, tokens: list[int]) -> int:
+    """One request on an engine: look up its prompt, save it (the answer's tokens are in the
+    next prompt); the tokens served from kvpool."""
+    usable = (len(tokens) - 1) // BLOCK * BLOCK
+    found = store.lookup(key, None, tokens[:usable], True)
+    served = found.tokens if isinstance(found, Hit) else 0
+    if isinstance(found, Hit):
+        store.release(found.handle)
+    plan = store.plan_save(None, tokens[:usable])
+    if isinstance(plan, SavePlan):
+        store.commit_save(plan.handle, tokens[plan.first_block * BLOCK : usable], plan.first_block)
+    return served
+
+
+def local_store(host_bytes: int) -> LocalStore:
+    settings = DaemonSettings(socket="/tmp/unused.sock", host_bytes=host_bytes)
+    return LocalStore(KVCacheManager(settings.manager_config(hello())), 0)
+
+
+def hits(args: argparse.Namespace, directory: str) -> tuple[int, int, int]:
+    requests = workload(args.conversations, args.turns)
+    total = sum((len(t) - 1) // BLOCK * BLOCK for _, t in requests)
+    share = args.host_mib * MiB // args.engines
+    engines = [local_store(share) for _ in range(args.engines)]
+    per_engine = sum(
+        serve(engines[i % args.engines], f"r{i}", tokens) for i, (_, tokens) in enumerate(requests)
+    )
+    daemon = Daemon(f"{directory}/hits.sock", "--host-bytes", f"{args.host_mib}MiB").start()
+    try:
+        clients = [client(daemon.socket) for _ in range(args.engines)]
+        shared = sum(
+            serve(clients[i % args.engines], f"r{i}", tokens)
+            for i, (_, tokens) in enumerate(requests)
+        )
+    finally:
+        daemon.stop()
+    return per_engine, shared, total
+
+
+def timed_lookups(store, tokens: list[int], count: int, tag: str) -> list[float]:
+    found = []
+    for i in range(count):
+        started = time.perf_counter()
+        hit = store.lookup(f"{tag}{i}", None, tokens, True)
+        found.append(time.perf_counter() - started)
+        assert isinstance(hit, Hit), hit
+        store.release(hit.handle)
+    return found
+
+
+def one_client(sock: str, tokens: list[int], count: int, start, queue) -> None:
+    engine = client(sock)
+    start.wait()
+    queue.put(timed_lookups(engine, tokens, count, "c"))
+
+
+def p99(values: list[float]) -> float:
+    return sorted(values)[int(len(values) * 0.99)]
+
+
+def latency(args: argparse.Namespace, directory: str) -> dict[str, float]:
+    tokens = list(range(10_000, 10_000 + 48 * BLOCK))
+    local = local_store(16 * MiB)
+    serve(local, "warm", tokens + [0])
+    daemon = Daemon(f"{directory}/lat.sock", "--host-bytes", "16MiB").start()
+    try:
+        engine = client(daemon.socket)
+        serve(engine, "warm", tokens + [0])
+        rounds = []
+        for _ in range(3):  # alternating, medians
+            rounds.append(
+                (
+                    timed_lookups(local, tokens, args.lookups, "l"),
+                    timed_lookups(engine, tokens, args.lookups, "d"),
+                )
+            )
+        inproc = [t for r in rounds for t in r[0]]
+        remote = [t for r in rounds for t in r[1]]
+        context = multiprocessing.get_context("fork")
+        start, queue = context.Event(), context.Queue()
+        workers = [
+            context.Process(
+                target=one_client, args=(daemon.socket, tokens, args.lookups, start, queue)
+            )
+            for _ in range(args.clients)
+        ]
+        for worker in workers:
+            worker.start()
+        time.sleep(1.0)
+        start.set()
+        together = [t for _ in workers for t in queue.get(timeout=300)]
+        for worker in workers:
+            worker.join(60)
+    finally:
+        daemon.stop()
+    return {
+        "in_process_median_us": statistics.median(inproc) * 1e6,
+        "daemon_median_us": statistics.median(remote) * 1e6,
+        "added_median_us": (statistics.median(remote) - statistics.median(inproc)) * 1e6,
+        "in_process_p99_us": p99(inproc) * 1e6,
+        "daemon_p99_us": p99(remote) * 1e6,
+        "concurrent_median_us": statistics.median(together) * 1e6,
+        "concurrent_p99_us": p99(together) * 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=15)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--host-mib", type=int, default=8, help="total host memory (MiB)")
+    parser.add_argument("--lookups", type=int, default=1000)
+    parser.add_argument("--clients", type=int, default=8)
+    args = parser.parse_args()
+    import kvpool
+
+    directory = socket_dir()
+    try:
+        per_engine, shared, total = hits(args, directory)
+        print(f"backend: {kvpool.backend()}; {args.engines} engines, round-robin, "
+              f"{args.conversations} conversations x {args.turns} turns, "
+              f"{args.host_mib} MiB of host memory in all")  # fmt: skip
+        print("| caches | prompt tokens from kvpool | of all prompt tokens |")
+        print("|---|---|---|")
+        print(f"| one per engine ({args.host_mib / args.engines:g} MiB each) | {per_engine:,} | {per_engine / total:.1%} |")  # fmt: skip
+        print(f"| one node daemon ({args.host_mib} MiB) | {shared:,} | {shared / total:.1%} |")
+        print(f"shared / per-engine: {shared / max(per_engine, 1):.2f}x")
+        found = latency(args, directory)
+        print(f"lookup, 48 blocks, hit: in process {found['in_process_median_us']:.1f} us "
+              f"(p99 {found['in_process_p99_us']:.1f}), through the daemon "
+              f"{found['daemon_median_us']:.1f} us (p99 {found['daemon_p99_us']:.1f}): "
+              f"added {found['added_median_us']:.1f} us; {args.clients} clients at once: "
+              f"median {found['concurrent_median_us']:.1f} us, "
+              f"p99 {found['concurrent_p99_us']:.1f} us")  # fmt: skip
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
