@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from pathlib import Path
 
 from kvpool.layout import KVLayout
@@ -51,6 +51,7 @@ class Daemon:
         self.socket = sock
         self.flags = flags
         self.process: subprocess.Popen[str] | None = None
+        self.log: list[str] = []  # what it wrote to standard error
 
     def start(self, timeout: float = 60) -> Daemon:
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -60,12 +61,22 @@ class Daemon:
             text=True,
             env=env,
         )
-        deadline = time.monotonic() + timeout
-        while not os.path.exists(self.socket):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the daemon did not start: {self.process.stderr.read()}")  # type: ignore[union-attr]
-            time.sleep(0.02)
-        return self
+        # (it says so once it listens; a killed daemon's socket file may still be there)
+        assert self.process.stderr is not None
+        seen = []
+        for line in self.process.stderr:
+            seen.append(line)
+            if line.startswith("kvpool: serving on"):
+                self.log = seen
+                self._reader = threading.Thread(target=self._read, daemon=True)
+                self._reader.start()  # (a full pipe would stop the daemon)
+                return self
+        raise RuntimeError(f"the daemon did not start: {''.join(seen)}")
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stderr is not None
+        for line in self.process.stderr:
+            self.log.append(line)
 
     def kill(self) -> None:
         assert self.process is not None
@@ -76,13 +87,14 @@ class Daemon:
         """SIGTERM: (exit status, what it logged)."""
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
-        _, err = self.process.communicate(timeout=30)
-        return self.process.returncode, err
+        self.process.wait(30)
+        self._reader.join(10)
+        return self.process.returncode, "".join(self.log)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
-            self.process.communicate(timeout=10)
+            self.process.wait(10)
 
 
 def client(sock: str, model: str = "model-a", timeout_s: float = 1.0) -> NodeClient:

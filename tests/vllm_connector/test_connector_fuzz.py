@@ -16,6 +16,8 @@ first level is small and backed by a disk level, so pages are evicted and brough
 from __future__ import annotations
 
 import random
+import shutil
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -91,16 +93,30 @@ class Blocks:
 
 
 class Simulation:
-    def __init__(self, seed: int, tmp_path, layout: str = "hybrid-window-32", fail_rate=0.1):
+    def __init__(
+        self,
+        seed: int,
+        tmp_path,
+        layout: str = "hybrid-window-32",
+        fail_rate=0.1,
+        node: str | None = None,
+        documents_seed: int | None = None,
+    ):
+        """`node`: a node daemon's socket (its manager, not one of the connector's own);
+        `documents_seed`: engines with the same one share their prompts' prefixes."""
         self.rng = random.Random(seed)
         self.page = page = LAYOUTS[layout]
         (tmp_path / "disk").mkdir(parents=True, exist_ok=True)
         host = (2 << 20) * (1 + page.windowed)  # (2 MiB a kvpool pool group: its granularity)
         settings = ConnectorSettings.parse(
-            {"host_bytes": host, "disk_bytes": 2 * host, "disk_path": str(tmp_path / "disk")}
+            {"node_cache": f"unix://{node}", "node_timeout_ms": 2000}  # (a busy CI machine)
+            if node
+            else {"host_bytes": host, "disk_bytes": 2 * host, "disk_path": str(tmp_path / "disk")}
         )
         self.scheduler = SchedulerSide(settings, page, "fuzz-model")
-        self.scheduler.manager.record_decisions()
+        self.local = self.scheduler.manager is not None
+        if self.local:
+            self.scheduler.manager.record_decisions()
         config = page.manager_config(settings, "fuzz-model")
         self.worker = WorkerSide(page, NUM_BLOCKS, KVLayout(config.layers, BLOCK))
         shape = (NUM_BLOCKS, 2, 2, BLOCK, 64)
@@ -109,7 +125,8 @@ class Simulation:
         self.windows = [g.window for g in page.groups]
         self.free = list(range(1, NUM_BLOCKS))
         self.requests: dict[str, Request] = {}
-        self.documents = [[self.rng.randrange(5000) for _ in range(BLOCK * 12)] for _ in range(4)]
+        documents = random.Random(documents_seed) if documents_seed is not None else self.rng
+        self.documents = [[documents.randrange(5000) for _ in range(BLOCK * 12)] for _ in range(4)]
         self.prompts: list[tuple[list[int], str | None]] = []  # earlier prompts, to repeat
         self.fail_rate = fail_rate
         self.next_id = 0
@@ -231,19 +248,20 @@ class Simulation:
         operations in between: the answer is delayed), after its read-ahead is done (so the
         calls, and the decisions, are the same in every run); some read-aheads are made to
         fail (cancelled before they run: the lookup then reads synchronously, a miss never)."""
-        lookups = self.scheduler.lookups
-        if request.request_id in lookups:
+        lookups = self.scheduler.lookups  # (in process; a node daemon's are its own)
+        waiting = self.scheduler._waiting
+        if lookups is not None and request.request_id in lookups:
             lookahead = lookups._waiting[request.request_id]
             assert lookahead.wait(30)
         matched, is_async = self.scheduler.get_num_new_matched_tokens(request, 0)
         if matched is None:
-            assert not is_async and request.request_id in lookups
+            assert not is_async and request.request_id in waiting
             self.not_yet += 1
-            if self.rng.random() < 0.1:
+            if lookups is not None and self.rng.random() < 0.1:
                 lookups._waiting[request.request_id].cancel()  # (a failed read-ahead)
                 self.failed_lookaheads += 1
             return
-        assert request.request_id not in lookups
+        assert request.request_id not in waiting
         assert matched % BLOCK == 0
         assert matched < len(request.all_token_ids)
         assert is_async == (matched > 0)
@@ -352,46 +370,51 @@ class Simulation:
 
     def run(self, operations: int) -> None:
         for _ in range(operations):
-            roll = self.rng.random()
-            requests = list(self.requests.values())
-            waiting = [r for r in requests if r.state == "waiting"]
-            running = [r for r in requests if r.state in ("prefill", "decode")]
-            decoded = [r for r in running if r.state == "decode" and r.outputs_left <= 0]
-            loading = [r for r in requests if r.state == "loading"]
-            if roll < 0.15 or not requests:
-                self.arrive()
-            elif roll < 0.3 and waiting:
-                self.schedule(self.rng.choice(waiting))
-            elif roll < 0.4 and decoded:
-                self.finish(self.rng.choice(decoded))
-            elif roll < 0.41 and running:  # finished early (a stop token)
-                request = self.rng.choice([r for r in running if r.state == "decode"] or running)
-                if request.state == "decode":
-                    self.finish(request)
-            elif roll < 0.44 and loading:  # aborted while its load is in flight: vLLM keeps
-                request = self.rng.choice(loading)  # its blocks until the load is reported
-                delay, _ = self.scheduler.request_finished(
-                    request, Blocks(request.tables).get_block_ids()
-                )
-                assert not delay  # (nothing to save: its blocks may not hold their KV yet)
-                request.state = "aborted while loading"
-            elif roll < 0.47 and running:  # preempted: blocks freed, back to waiting
-                request = self.rng.choice(running)
-                self.release(request)
-                request.state, request.num_computed_tokens = "waiting", 0
-            elif roll < 0.5 and waiting:  # aborted before it ran (its lookup maybe waiting)
-                looking = [r for r in waiting if r.request_id in self.scheduler.lookups]
-                request = self.rng.choice(looking if looking and roll < 0.485 else waiting)
-                if request.request_id in self.scheduler.lookups:
-                    self.cancelled_lookups += 1
-                self.scheduler.request_finished(request, self.no_blocks())
-                assert request.request_id not in self.scheduler.lookups
-                self.release(request)
-                del self.requests[request.request_id]
-            else:  # (vLLM asks the lookups that said "not yet" again each step)
-                for request in [r for r in waiting if r.request_id in self.scheduler.lookups]:
-                    self.schedule(request)
-                self.step()
+            self.operation()
+
+    def operation(self) -> None:
+        """One of vLLM's calls, or one engine step, at random."""
+        roll = self.rng.random()
+        requests = list(self.requests.values())
+        waiting = [r for r in requests if r.state == "waiting"]
+        running = [r for r in requests if r.state in ("prefill", "decode")]
+        decoded = [r for r in running if r.state == "decode" and r.outputs_left <= 0]
+        loading = [r for r in requests if r.state == "loading"]
+        if roll < 0.15 or not requests:
+            self.arrive()
+        elif roll < 0.3 and waiting:
+            self.schedule(self.rng.choice(waiting))
+        elif roll < 0.4 and decoded:
+            self.finish(self.rng.choice(decoded))
+        elif roll < 0.41 and running:  # finished early (a stop token)
+            request = self.rng.choice([r for r in running if r.state == "decode"] or running)
+            if request.state == "decode":
+                self.finish(request)
+        elif roll < 0.44 and loading:  # aborted while its load is in flight: vLLM keeps
+            request = self.rng.choice(loading)  # its blocks until the load is reported
+            delay, _ = self.scheduler.request_finished(
+                request, Blocks(request.tables).get_block_ids()
+            )
+            assert not delay  # (nothing to save: its blocks may not hold their KV yet)
+            request.state = "aborted while loading"
+        elif roll < 0.47 and running:  # preempted: blocks freed, back to waiting
+            request = self.rng.choice(running)
+            self.release(request)
+            request.state, request.num_computed_tokens = "waiting", 0
+        elif roll < 0.5 and waiting:  # aborted before it ran (its lookup maybe waiting)
+            looking = [r for r in waiting if r.request_id in self.scheduler._waiting]
+            request = self.rng.choice(looking if looking and roll < 0.485 else waiting)
+            if request.request_id in self.scheduler._waiting:
+                self.cancelled_lookups += 1
+            self.scheduler.request_finished(request, self.no_blocks())
+            assert request.request_id not in self.scheduler._waiting
+            self.release(request)
+            del self.requests[request.request_id]
+        else:  # (vLLM asks the lookups that said "not yet" again each step)
+            for request in [r for r in waiting if r.request_id in self.scheduler._waiting]:
+                self.schedule(request)
+            self.step()
+        if self.local:
             self.scheduler.manager.check_invariants()
 
     def drain(self) -> None:
@@ -407,10 +430,12 @@ class Simulation:
             if not self.requests:
                 break
         assert not self.requests
-        assert len(self.scheduler.lookups) == 0  # (finished requests' lookups cancelled)
+        assert not self.scheduler._waiting  # (finished requests' lookups cancelled)
         assert not self.scheduler.loads and not self.scheduler.saves
         assert not self.scheduler.stores
-        assert self.scheduler.manager.num_open_kv_caches == 0
+        if self.local:
+            assert len(self.scheduler.lookups) == 0
+            assert self.scheduler.manager.num_open_kv_caches == 0
         assert sorted(self.free) == list(range(1, NUM_BLOCKS))
 
 
@@ -647,3 +672,84 @@ def test_a_worker_that_dies_mid_copy_commits_nothing_and_the_engine_stops_clean(
         assert committed < pending.num_tokens, "a save never reported was committed"
     side.shutdown()  # (vLLM stops the engine: no report ever comes)
     assert side.manager._closed
+
+
+def test_several_engines_over_one_daemon_with_deaths_and_restarts(tmp_path):
+    """Three engines' connectors (same prompts' prefixes) over one node daemon, interleaved at
+    random: an engine dies (its connection dropped, its state gone) and a new one joins; the
+    daemon is SIGKILLed mid-stream and restarted; the engines reconnect by themselves. Every
+    load is checked block by block (a load of another engine's save included); at the end the
+    daemon holds nothing."""
+    from kvpool.node.client import daemon_statistics
+    from tests.node_helpers import Daemon, socket_dir
+
+    directory = socket_dir()
+    disk = tmp_path / "node-disk"
+    disk.mkdir()
+    flags = ["--host-bytes", "4MiB", "--disk-bytes", "8MiB", "--disk-path", str(disk)]
+    daemon = Daemon(f"{directory}/kvpool.sock", *flags, "--release-grace-ms", "100").start()
+    rng = random.Random(11)
+
+    def engine(n: int) -> Simulation:
+        return Simulation(n, tmp_path / f"e{n}", node=daemon.socket, documents_seed=5)
+
+    engines = [engine(n) for n in range(3)]
+    gone: list[Simulation] = []
+    try:
+        for operation in range(2400):
+            rng.choice(engines).operation()
+            if operation == 800:  # an engine dies: the daemon notices its connection close
+                dead = engines.pop(0)
+                dead.scheduler.store._close_connection()
+                gone.append(dead)
+                engines.append(engine(3))
+            if operation == 1600:  # the daemon dies, and a new one starts (empty)
+                before = [e.scheduler.store.generation for e in engines]
+                for simulation in engines:  # loads and saves planned, not yet copied
+                    for request in list(simulation.requests.values()):
+                        if request.state == "waiting":
+                            simulation.schedule(request)
+                        elif request.state == "decode" and request.outputs_left <= 0:
+                            simulation.finish(request)
+                daemon.kill()
+                daemon.start()
+                # each engine notices (a call fails) and reconnects before its next step:
+                # what it planned in the old daemon's memory meets the new daemon's memory
+                for simulation in engines:
+                    waiting = [r for r in simulation.requests.values() if r.state == "waiting"]
+                    if waiting:
+                        simulation.schedule(waiting[0])
+                    store = simulation.scheduler.store
+                    store.statistics()
+                    deadline = time.monotonic() + 10
+                    while not store.connected:
+                        store.statistics()
+                        assert time.monotonic() < deadline
+                        time.sleep(0.01)
+        for simulation in engines:
+            simulation.drain()
+        node = daemon_statistics(daemon.socket)
+        for simulation in engines:
+            assert simulation.scheduler.store.generation == 3  # (lost, then reconnected)
+            simulation.scheduler.shutdown()
+        assert before == [1, 1, 1]
+        deadline = time.monotonic() + 5
+        while daemon_statistics(daemon.socket)["open_requests"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = daemon_statistics(daemon.socket)
+    finally:
+        daemon.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+    every = engines + gone
+    verified = sum(s.verified_blocks for s in every)
+    hits = sum(s.scheduler.counters.hit_tokens for s in every)
+    assert verified > 100 and hits > 0
+    # (every load promised was delivered unless a copy failure was injected, or its plan was
+    # made in the killed daemon's memory: those fail on the worker, and vLLM recomputes)
+    assert sum(s.failed_loads for s in every) >= sum(s.injected_load_failures for s in every)
+    # the engine that joined late was served what the others saved (all checked)
+    assert engines[-1].scheduler.counters.hit_tokens > 0 and engines[-1].verified_blocks > 0
+    assert node["engines"] == 3 and after["open_requests"] == 0 and after["engines"] == 0
+    # (copies planned in the killed daemon's memory, handed to the workers after the restart:
+    # failed, never copied from the new daemon's memory)
+    assert sum(s.scheduler.counters.stale_transfers for s in engines) > 0

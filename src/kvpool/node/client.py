@@ -61,7 +61,9 @@ class NodeClient:
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.clock = clock
-        self.generation = 0  # the connection whose memory `shared_memory()` maps
+        # the connection whose memory `shared_memory()` maps; a connection lost (the daemon
+        # releases what it held) or made changes it
+        self.generation = 0
         self.counters = {"connects": 0, "failures": 0, "refusals": 0, "calls": 0}
         self.last_error = ""
         self._sock: socket.socket | None = None
@@ -157,7 +159,8 @@ class NodeClient:
         self.last_error = why
         self.counters["failures"] += 1
         self._close_connection()
-        if was_up:
+        if was_up:  # (the daemon releases this connection's handles: they are stale now)
+            self.generation += 1
             self._backoff = self.retry_s[0]
             self._next_try = self.clock()
         else:
@@ -241,7 +244,7 @@ class NodeClient:
             return self.generation, paths
 
     def statistics(self) -> dict[str, Any]:
-        reply = self._call(p.Stats()) if self._conn is not None else None
+        reply = self._call(p.Stats())  # (down: None at once, and a reconnect begins)
         node = reply.stats if isinstance(reply, p.StatsReply) else None
         return {"node": node, "node_client": dict(self.counters, generation=self.generation)}
 

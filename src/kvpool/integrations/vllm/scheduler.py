@@ -76,6 +76,7 @@ class ConnectorCounters:
     skipped_window_saves: int = 0  # vLLM had freed a sliding-window block the save needs
     failed_saves: int = 0  # a worker could not write the pages: not committed
     load_failures: int = 0  # lookups that could not bring their pages up (a read error)
+    stale_transfers: int = 0  # planned in a lost node daemon connection's memory: failed
 
 
 BlockIds = Sequence[Sequence[int]]  # per vLLM KV-cache group
@@ -361,13 +362,29 @@ class SchedulerSide:
         generation, shared = self.store.memory()
         meta = KVPoolConnectorMetadata(
             shared,
-            _of_generation(self._save_transfers, generation),
-            _of_generation(self._load_transfers, generation),
-            _of_generation(self._store_transfers, generation),
+            self._of_generation(self._save_transfers, generation),
+            self._of_generation(self._load_transfers, generation),
+            self._of_generation(self._store_transfers, generation),
         )
         self._save_transfers, self._load_transfers, self._store_transfers = [], [], []
         self._write_stats()
         return meta
+
+    def _of_generation(
+        self, transfers: list[tuple[int, Transfer]], generation: int
+    ) -> list[Transfer]:
+        """The step's transfers; one whose slots are in another generation's shared memory
+        (the connection to the node daemon was lost since it was planned: the daemon released
+        its pages, or restarted) gets no slots, so that its workers fail it (a load is
+        recomputed, a save dropped) rather than copy pages that are not its own."""
+        found = []
+        for g, transfer in transfers:
+            if g != generation:
+                self.counters.stale_transfers += 1
+                slots = [[-1] * len(ids) for ids in transfer.block_ids]
+                transfer = Transfer(transfer.request_id, transfer.block_ids, slots)
+            found.append(transfer)
+        return found
 
     def update_connector_output(self, output: Any) -> None:
         failed_loads = set(getattr(output, "failed_recving", None) or ())
@@ -479,15 +496,3 @@ def node_client(
     client = NodeClient(settings.node_cache, hello, timeout_s=settings.node_timeout_ms / 1000)
     client.connect(required=True)
     return client
-
-
-def _of_generation(transfers: list[tuple[int, Transfer]], generation: int) -> list[Transfer]:
-    """The step's transfers; one whose slots are in another generation's shared memory (the
-    store's daemon restarted since it was planned) gets no slots, so that its workers fail
-    it (a load is recomputed, a save dropped) rather than copy the wrong pages."""
-    return [
-        t
-        if g == generation
-        else Transfer(t.request_id, t.block_ids, [[-1] * len(ids) for ids in t.block_ids])
-        for g, t in transfers
-    ]
