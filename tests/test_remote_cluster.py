@@ -193,6 +193,23 @@ def test_replay_reports_each_node_of_the_cluster(primaries, tmp_path, capsys, mo
         assert f"node {address}" in printed
 
 
+def test_info_lists_the_nodes_of_the_cluster_and_refuses_a_bad_url(primaries, capsys):
+    from kvpool.cli import main
+
+    assert main(["info", "--remote", seeds(primaries)[1]]) == 0  # (one seed is enough)
+    printed = capsys.readouterr().out
+    assert "3 node(s)" in printed
+    for node in primaries:
+        line = next(x for x in printed.splitlines() if f"127.0.0.1:{node.port} " in x)
+        keys = node.client().dbsize()
+        assert "primary: 5461 slots" in line or "primary: 5462 slots" in line
+        assert f"{keys:,} keys" in line
+    with pytest.raises(SystemExit) as exit_:
+        main(["info", "--remote", "http://x:1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--remote" in err and err.count("\n") == 1
+
+
 def test_a_stalled_node_costs_its_prompts_for_a_timeout_then_is_skipped_and_rejoined(
     primaries,
     managers,  # noqa: F811

@@ -26,6 +26,7 @@ from kvpool.cli.generate import add_generate_parser
 from kvpool.cli.info import DEFAULT_MODEL, in_flag_terms, info_command, tiers_of
 from kvpool.cli.replay import INTERRUPTED, remote_config, replay_command
 from kvpool.cli.serve import add_serve_parser, check_serve
+from kvpool.config import RemoteCacheTierConfig
 from kvpool.errors import ConfigError, KVPoolError
 from kvpool.presets import PRESETS
 from kvpool.replay.policy import OFFLINE_OPTIMUM, POLICIES
@@ -113,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _model_flags(info_parser)
     _memory_flags(info_parser, gpu="1GiB", host="0")
+    info_parser.add_argument(
+        "--remote", nargs="+", metavar="URL",
+        help="also list a shared tier's nodes (a Valkey server, or a cluster's nodes from any "
+        "seed): role, hash slots, keys, memory",
+    )  # fmt: skip
     info_parser.set_defaults(run=info_command)
 
     replay_parser = commands.add_parser(
@@ -263,6 +269,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error("--disk-path needs --disk SIZE (a disk level); give both or neither")
         if args.disk:
             check_disk_directory(args.disk_path or _default_disk_path())
+        if args.command == "info" and args.remote:
+            try:
+                RemoteCacheTierConfig(args.remote, cluster=True).validate()
+            except ConfigError as error:
+                parser.error(str(error).replace("remote_tier.url", "--remote"))
         if args.command == "replay":
             if args.trace and args.synthetic:
                 parser.error("a trace and --synthetic: replay one workload, not both")

@@ -130,4 +130,25 @@ def info_command(args: argparse.Namespace) -> int:
                 )
     finally:
         manager.shutdown()
+    remote = getattr(args, "remote", None)
+    return 0 if not remote else remote_nodes(remote)
+
+
+def remote_nodes(urls: list[str]) -> int:
+    """`--remote`: the shared tier's nodes, as the cluster describes them."""
+    from kvpool.config import RemoteCacheTierConfig
+    from kvpool.remote.cluster import describe
+    from kvpool.remote.store import url_without_password
+
+    config = RemoteCacheTierConfig(urls, cluster=True, timeout_ms=2000)  # (checked by _check)
+    shown = ", ".join(url_without_password(url) for url in urls)
+    views = describe(config)
+    if not views:
+        print(f"remote tier {shown}: no node answers")
+        return 1
+    print(f"remote tier {shown}: {len(views)} node(s)")
+    for view in views:
+        keys = "not answering" if view.keys is None else f"{view.keys:,} keys"
+        used = "" if view.used_bytes is None else f", {format_bytes(view.used_bytes)} used"
+        print(f"  {view.address} {view.role}: {view.slots} slots, {keys}{used}")
     return 0

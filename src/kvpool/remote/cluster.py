@@ -319,6 +319,73 @@ class ClusterClient:
                 node.pool.disconnect()
 
 
+@dataclass
+class NodeView:
+    """One node as the cluster (and the node itself) describes it (`kvpool info --remote`)."""
+
+    address: str
+    role: str  # "primary", "replica of <address>", "standalone"; with ",failed" when failed
+    slots: int
+    keys: int | None  # None: it did not answer
+    used_bytes: int | None
+
+
+def describe(config: RemoteCacheTierConfig) -> list[NodeView]:
+    """Every node of the server or cluster `config` names (CLUSTER NODES from the first seed
+    that answers), with its keys and memory (DBSIZE, INFO memory), each call bounded by
+    `timeout_ms`; empty when no seed answers."""
+    from valkey.exceptions import ResponseError
+
+    errors: tuple[type[BaseException], ...] = (OSError, Exception)
+    client = ClusterClient(config, time.monotonic, errors, RemoteStatistics(), lambda e, a: None)
+    try:
+        listing: Any = None
+        seed = ""
+        for seed in client.seeds:
+            try:
+                listing = client._run(client.node(seed), [("CLUSTER", "NODES")])[0]
+            except errors:
+                continue
+            break
+        if listing is None:
+            return []
+        if isinstance(listing, ResponseError):  # (not a cluster: one server)
+            rows = [(seed, "standalone", SLOTS)]
+        else:
+            text = listing.decode() if isinstance(listing, bytes) else str(listing)
+            lines = [line.split() for line in text.splitlines() if line.strip()]
+            by_id = {f[0]: f[1].split("@")[0] for f in lines}
+            rows = []
+            for fields in lines:
+                address = fields[1].split("@")[0]
+                flags = fields[2].split(",")
+                role = "primary" if "master" in flags else f"replica of {by_id.get(fields[3])}"
+                role += ",failed" if "fail" in flags else ""
+                slots = 0
+                for span in fields[8:]:
+                    if not span.startswith("["):
+                        first, _, last = span.partition("-")
+                        slots += int(last or first) - int(first) + 1
+                rows.append((address, role, slots))
+            rows.sort(key=lambda row: (not row[1].startswith("primary"), row[0]))
+        views = []
+        for address, role, slots in rows:
+            try:
+                keys, memory = client._run(client.node(address), [("DBSIZE",), ("INFO", "memory")])
+                text = memory.decode() if isinstance(memory, bytes) else str(memory)
+                used = next(
+                    int(line.split(":")[1])
+                    for line in text.splitlines()
+                    if line.startswith("used_memory:")
+                )
+                views.append(NodeView(address, role, slots, int(keys), used))
+            except errors:
+                views.append(NodeView(address, role, slots, None, None))
+        return views
+    finally:
+        client.close()
+
+
 def _redirection(reply: Any) -> tuple[str, str] | None:
     """("MOVED" or "ASK", "host:port") for a redirection answer, else None."""
     if not isinstance(reply, BaseException):
@@ -329,4 +396,4 @@ def _redirection(reply: Any) -> tuple[str, str] | None:
     return None
 
 
-__all__ = ["LATENCY_BUCKETS", "ClusterClient", "NodeStatistics"]
+__all__ = ["LATENCY_BUCKETS", "ClusterClient", "NodeStatistics", "NodeView", "describe"]
