@@ -154,3 +154,49 @@ def test_a_daemon_killed_and_restarted_costs_hits_never_tokens(engine_a, engine_
     assert cached(rounds[2])[-1] == HITS
     assert counters["hit_tokens_by_tier"]["host"] == (3 + hits) * HITS
     assert counters["node_client"]["connects"] == 2 and counters["node_client"]["failures"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"node_cache": "/run/kvpool.sock"}, "kv_connector_extra_config['node_cache']="),
+        ({"node_cache": "tcp://host:1"}, "must be unix:///absolute/path/to.sock"),
+        ({"node_cache": "unix:///x.sock", "host_bytes": 1 << 30}, "['host_bytes']=1073741824"),
+        ({"node_cache": "unix:///x.sock", "remote_url": "valkey://h:1"}, "--remote-url"),
+        ({"node_cache": "unix:///x.sock", "node_timeout_ms": 0}, "an integer >= 1"),
+        ({"node_timeout_ms": 50}, "left out without node_cache"),
+    ],
+)
+def test_bad_node_settings_are_refused_naming_the_key(extra, message):
+    from kvpool.errors import ConfigError
+    from kvpool.integrations.vllm.settings import ConnectorSettings
+
+    with pytest.raises(ConfigError, match="is invalid") as refused:
+        ConnectorSettings.parse(extra)
+    assert message in str(refused.value)
+
+
+def test_an_engine_starts_without_its_daemon_and_computes(tmp_path):
+    """No daemon yet: the connector's store is a client that is down (every call a miss, no
+    save) and connects once the daemon is there."""
+    from kvpool.integrations.vllm.scheduler import SchedulerSide
+    from kvpool.integrations.vllm.settings import ConnectorSettings, PageFormat
+    from kvpool.node.store import Outcome
+
+    page = PageFormat.single(("l0",), 16, 2, 64, 4)
+    path = f"{socket_dir()}/kvpool.sock"
+    settings = ConnectorSettings.parse({"node_cache": f"unix://{path}"})
+    side = SchedulerSide(settings, page, "model")
+    assert not side.store.connected
+    assert side.store.lookup("r", None, list(range(64)), True) is Outcome.MISS
+    daemon = Daemon(path).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not side.store.connected:
+            side.store.statistics()  # (a call: the reconnect begins in the background)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert side.store.generation >= 1 and side.shared
+    finally:
+        side.shutdown()
+        daemon.stop()
