@@ -317,6 +317,69 @@ def test_a_resharding_is_followed_while_a_reader_runs(primaries, managers):  # n
     move_slots(primaries[target], primaries[source], slots)
 
 
+def read_rounds_in_process(urls, namespace, prompts, rounds, stop, result):  # (spawned)
+    from kvpool import GpuCacheTierConfig, KVCacheManager, RemoteCacheTierConfig
+    from tests.engine_check import CheckingEngine
+    from tests.helpers import make_config, shutdown
+    from tests.test_remote import FULL, MiB
+
+    remote = RemoteCacheTierConfig(urls, namespace=namespace, timeout_ms=TIMEOUT_MS,
+                                   placement_tokens=0)  # fmt: skip
+    m = KVCacheManager(make_config(layers=FULL, tokens_per_block=TPB,
+                                   tiers=[GpuCacheTierConfig(2 * MiB)], remote_tier=remote))  # fmt: skip
+    engine = CheckingEngine(m)
+    sums = []
+    while not stop.is_set() and len(sums) < 500:
+        sums.append(sum(reuse(m, engine, prompts)))
+        m.clear_reusable_blocks()  # (the next round asks the cluster again)
+        with rounds.get_lock():
+            rounds.value += 1
+    stats = m.remote_statistics()
+    redirects = sum(s.redirects for s in m.remote_nodes().values())
+    result.put((sums, engine.records_checked, stats.missing_values, stats.errors, redirects))
+    shutdown(m)
+
+
+def test_a_resharding_under_a_reader_in_another_process_costs_no_hit(primaries, managers):  # noqa: F811
+    _, prompts, where = filled(managers, primaries, "reshard2")
+    source = where[0]
+    target = (source + 2) % 3
+    moving = [p for p, n in zip(prompts, where, strict=True) if n == source]
+    b = managers(seeds(primaries), namespace="reshard2", placement_tokens=0)[0]
+    slots = sorted({key_slot_of(stored_value_keys(None, b, p)[0][0]) for p in moving})
+    context = multiprocessing.get_context("spawn")
+    rounds, stop, result = context.Value("i", 0), context.Event(), context.Queue()
+    args = (seeds(primaries), "reshard2", moving, rounds, stop, result)
+    process = context.Process(target=read_rounds_in_process, args=args)
+    process.start()
+    try:
+
+        def after_another_round() -> None:
+            seen = rounds.value
+            wait_for(lambda: rounds.value >= seen + 2 or not process.is_alive(), "no rounds", 30)
+
+        after_another_round()
+        move_slots(primaries[source], primaries[target], slots, finish=False, keys_per_slot=1)
+        after_another_round()  # (ASK for the moved keys)
+        move_slots(primaries[source], primaries[target], slots)
+        after_another_round()  # (MOVED)
+        move_slots(primaries[target], primaries[source], slots)  # and back, for the next test
+        after_another_round()
+    finally:
+        stop.set()
+    sums, checked, missing, errors, redirects = result.get(timeout=30)
+    process.join(10)
+    assert process.exitcode == 0
+    assert len(sums) >= 8 and sums == [BLOCKS * len(moving)] * len(sums)  # every round, whole
+    assert checked > 0 and missing == errors == 0 and redirects >= 2
+
+
+def key_slot_of(key: bytes) -> int:
+    from valkey.crc import key_slot
+
+    return int(key_slot(key))
+
+
 def test_a_killed_node_costs_only_its_prompts_and_is_rejoined_after_a_restart(
     primaries,
     managers,  # noqa: F811
