@@ -11,6 +11,9 @@
    through the daemon (`NodeClient`); the difference is the daemon's added latency. Then
    `--clients` processes issuing lookups at once: each lookup's latency, p50 and p99.
 
+   Then `--clients` processes issuing lookups at once, back to back (saturating the daemon's
+   thread), and paced (`--rate` a second each, Poisson arrivals).
+
 Run: python benchmarks/bench_node.py [--engines 2] [--conversations 15] [--host-mib 8]
 """
 
@@ -31,7 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 from tests.node_helpers import BLOCK, Daemon, client, hello, socket_dir  # noqa: E402
 
 from kvpool.manager import KVCacheManager  # noqa: E402
-from kvpool.node.daemon import DaemonSettings  # noqa: E402
+from kvpool.node.settings import DaemonSettings  # noqa: E402
 from kvpool.node.store import Hit, LocalStore, SavePlan  # noqa: E402
 
 MiB = 1 << 20
@@ -88,9 +91,12 @@ def hits(args: argparse.Namespace, directory: str) -> tuple[int, int, int]:
     return per_engine, shared, total
 
 
-def timed_lookups(store, tokens: list[int], count: int, tag: str) -> list[float]:
+def timed_lookups(store, tokens: list[int], count: int, tag: str, rate: float = 0.0) -> list[float]:
+    """Each lookup's seconds (`rate`: lookups per second at most; 0: back to back)."""
     found = []
     for i in range(count):
+        if rate:
+            time.sleep(random.expovariate(rate))
         started = time.perf_counter()
         hit = store.lookup(f"{tag}{i}", None, tokens, True)
         found.append(time.perf_counter() - started)
@@ -99,10 +105,10 @@ def timed_lookups(store, tokens: list[int], count: int, tag: str) -> list[float]
     return found
 
 
-def one_client(sock: str, tokens: list[int], count: int, start, queue) -> None:
+def one_client(sock: str, tokens: list[int], count: int, rate: float, start, queue) -> None:
     engine = client(sock)
     start.wait()
-    queue.put(timed_lookups(engine, tokens, count, "c"))
+    queue.put(timed_lookups(engine, tokens, count, "c", rate))
 
 
 def p99(values: list[float]) -> float:
@@ -127,21 +133,9 @@ def latency(args: argparse.Namespace, directory: str) -> dict[str, float]:
             )
         inproc = [t for r in rounds for t in r[0]]
         remote = [t for r in rounds for t in r[1]]
-        context = multiprocessing.get_context("fork")
-        start, queue = context.Event(), context.Queue()
-        workers = [
-            context.Process(
-                target=one_client, args=(daemon.socket, tokens, args.lookups, start, queue)
-            )
-            for _ in range(args.clients)
-        ]
-        for worker in workers:
-            worker.start()
-        time.sleep(1.0)
-        start.set()
-        together = [t for _ in workers for t in queue.get(timeout=300)]
-        for worker in workers:
-            worker.join(60)
+        together = {
+            rate: concurrent(args, daemon.socket, tokens, rate) for rate in (0.0, args.rate)
+        }
     finally:
         daemon.stop()
     return {
@@ -150,9 +144,29 @@ def latency(args: argparse.Namespace, directory: str) -> dict[str, float]:
         "added_median_us": (statistics.median(remote) - statistics.median(inproc)) * 1e6,
         "in_process_p99_us": p99(inproc) * 1e6,
         "daemon_p99_us": p99(remote) * 1e6,
-        "concurrent_median_us": statistics.median(together) * 1e6,
-        "concurrent_p99_us": p99(together) * 1e6,
+        "saturated_median_us": statistics.median(together[0.0]) * 1e6,
+        "saturated_p99_us": p99(together[0.0]) * 1e6,
+        "paced_median_us": statistics.median(together[args.rate]) * 1e6,
+        "paced_p99_us": p99(together[args.rate]) * 1e6,
     }
+
+
+def concurrent(args: argparse.Namespace, sock: str, tokens: list[int], rate: float) -> list[float]:
+    """`--clients` processes looking up at once (`rate` each, 0: back to back)."""
+    context = multiprocessing.get_context("fork")
+    start, queue = context.Event(), context.Queue()
+    workers = [
+        context.Process(target=one_client, args=(sock, tokens, args.lookups, rate, start, queue))
+        for _ in range(args.clients)
+    ]
+    for worker in workers:
+        worker.start()
+    time.sleep(1.0)
+    start.set()
+    together = [t for _ in workers for t in queue.get(timeout=600)]
+    for worker in workers:
+        worker.join(60)
+    return together
 
 
 def main() -> None:
@@ -163,6 +177,10 @@ def main() -> None:
     parser.add_argument("--host-mib", type=int, default=8, help="total host memory (MiB)")
     parser.add_argument("--lookups", type=int, default=1000)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument(
+        "--rate", type=float, default=200.0, help="lookups per second per client, paced run"
+    )
+    parser.add_argument("--no-latency", action="store_true", help="the hits only")
     args = parser.parse_args()
     import kvpool
 
@@ -177,13 +195,19 @@ def main() -> None:
         print(f"| one per engine ({args.host_mib / args.engines:g} MiB each) | {per_engine:,} | {per_engine / total:.1%} |")  # fmt: skip
         print(f"| one node daemon ({args.host_mib} MiB) | {shared:,} | {shared / total:.1%} |")
         print(f"shared / per-engine: {shared / max(per_engine, 1):.2f}x")
+        if args.no_latency:
+            return
         found = latency(args, directory)
-        print(f"lookup, 48 blocks, hit: in process {found['in_process_median_us']:.1f} us "
-              f"(p99 {found['in_process_p99_us']:.1f}), through the daemon "
-              f"{found['daemon_median_us']:.1f} us (p99 {found['daemon_p99_us']:.1f}): "
-              f"added {found['added_median_us']:.1f} us; {args.clients} clients at once: "
-              f"median {found['concurrent_median_us']:.1f} us, "
-              f"p99 {found['concurrent_p99_us']:.1f} us")  # fmt: skip
+        print(
+            f"lookup, 48 blocks, hit: in process {found['in_process_median_us']:.1f} us "
+            f"(p99 {found['in_process_p99_us']:.1f}), through the daemon "
+            f"{found['daemon_median_us']:.1f} us (p99 {found['daemon_p99_us']:.1f}): "
+            f"added {found['added_median_us']:.1f} us"
+        )
+        print(f"{args.clients} clients at once, back to back: median "
+              f"{found['saturated_median_us']:.1f} us, p99 {found['saturated_p99_us']:.1f} us; "
+              f"{args.rate:g} lookups/s each: median {found['paced_median_us']:.1f} us, "
+              f"p99 {found['paced_p99_us']:.1f} us")  # fmt: skip
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

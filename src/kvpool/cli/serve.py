@@ -76,7 +76,7 @@ def add_serve_parser(commands: Any, formatter: Any) -> None:
 
 
 def settings_of(args: argparse.Namespace) -> Any:
-    from kvpool.node.daemon import DaemonSettings
+    from kvpool.node.settings import DaemonSettings
 
     return DaemonSettings(
         socket=args.socket,

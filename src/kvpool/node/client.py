@@ -26,7 +26,7 @@ import msgspec
 from kvpool.config import ReuseScope
 from kvpool.errors import ConfigError
 from kvpool.node import protocol as p
-from kvpool.node.daemon import _set_timeouts
+from kvpool.node.sockets import set_timeouts
 from kvpool.node.store import Hit, Outcome, SavePlan
 from kvpool.tokens import Token
 
@@ -81,7 +81,7 @@ class NodeClient:
         `ConfigError` with `required`."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            _set_timeouts(sock, self.timeout_s)
+            set_timeouts(sock, self.timeout_s)
             sock.connect(self.path)
             conn = Connection(os.dup(sock.fileno()))
             conn.send_bytes(p.encoder.encode(self.hello))
@@ -262,7 +262,7 @@ class NodeClient:
 def daemon_statistics(path: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """A daemon's statistics, asked without a hello (an operator's or a test's look)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        _set_timeouts(sock, timeout_s)
+        set_timeouts(sock, timeout_s)
         sock.connect(path)
         with Connection(os.dup(sock.fileno())) as conn:
             conn.send_bytes(p.encoder.encode(p.Stats()))
