@@ -103,7 +103,7 @@ def reuse(m, engine, prompts) -> list[int]:
     for tokens in prompts:
         started = time.monotonic()
         out.append(compute(m, engine, tokens + [1]) // TPB)
-        assert time.monotonic() - started < 2 * TIMEOUT_MS / 1000 + 0.5
+        assert time.monotonic() - started < 2 * TIMEOUT_MS / 1000 + 1.0  # (a loaded CI)
     return out
 
 
@@ -235,7 +235,8 @@ def test_a_stalled_node_costs_its_prompts_for_a_timeout_then_is_skipped_and_rejo
         BLOCKS
     ] * where.count(stalled)
     key = stored_value_keys(None, b, prompts[where.index(stalled)])[0][0]
-    assert b._remote.store.exists([key]) == [True]  # b's back-off ended: it asks again
+    # b's back-off ends: it asks again
+    wait_for(lambda: b._remote.store.exists([key]) == [True], "b did not ask the node again", 10)
     assert node_stats(b)[address].reconnects == 1
     # per node in Prometheus: the stalled one's errors and its latency (a timeout or more)
     prometheus_client = pytest.importorskip("prometheus_client")
