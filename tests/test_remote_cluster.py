@@ -166,6 +166,18 @@ def test_a_prompt_lives_in_two_parts_its_first_blocks_and_the_rest(primaries, ma
         assert compute(b, engine_b, tokens + [1]) == 9 * TPB
     stats = b.remote_statistics()
     assert stats.fetched_blocks == 4 * 9 and stats.missing_values == 0
+    # the same through a look-ahead (its query carries the local prefix's last tag)
+    d, engine_d = managers(seeds(primaries), namespace="parts", placement_tokens=4 * TPB)
+    for local in (3, 6):
+        tokens = prompts[local - 2]
+        assert compute(d, engine_d, tokens[: local * TPB] + [1]) == local * TPB
+        lookahead = d.look_ahead(None, tokens)
+        assert lookahead.wait(10) and lookahead.remote is not None
+        assert lookahead.remote.start == local and lookahead.remote.end == 9
+        cache = d.create_kv_cache(None, tokens, lookahead=lookahead)
+        assert cache.resume() and cache.num_committed_tokens == 9 * TPB
+        engine_d.check(cache, tokens)
+        cache.close()
     # another layout's keys are others: a reader spreading blocks one by one finds nothing
     c, _ = managers(seeds(primaries), namespace="parts", placement_tokens=None)
     assert c.probe_reuse(None, prompts[5]) == 0
