@@ -273,6 +273,26 @@ def test_a_stalled_node_costs_its_prompts_for_a_timeout_then_is_skipped_and_rejo
             assert slow >= 1  # (its timeout: 0.25 s)
 
 
+def test_two_stalled_nodes_cost_a_call_one_timeout_not_two(primaries, managers):  # noqa: F811
+    _, prompts, where = filled(managers, primaries, "two")
+    b, _ = reader(managers, primaries, "two")
+    keys = [stored_value_keys(None, b, prompts[where.index(node)])[0][0] for node in range(3)]
+    assert b._remote.store.exists(keys) == [True] * 3  # (connections made, slot map read)
+    primaries[0].pause()
+    primaries[1].pause()
+    try:
+        started = time.monotonic()
+        found = b._remote.store.exists(keys)
+        took = time.monotonic() - started
+    finally:
+        primaries[0].unpause()
+        primaries[1].unpause()
+    assert found == [False, False, True]
+    assert TIMEOUT_MS / 1000 <= took < 1.8 * TIMEOUT_MS / 1000, took  # (not one per node)
+    errors = [node_stats(b)[f"127.0.0.1:{node.port}"].errors for node in primaries]
+    assert errors == [1, 1, 0]
+
+
 def test_a_node_stalled_between_lookup_and_fetch_is_a_failed_call_not_values_gone(
     primaries,
     managers,  # noqa: F811

@@ -2,9 +2,10 @@
 
 Why not the cluster client of valkey-py: it fails a whole pipeline when one node fails and
 rebuilds itself, so one dead node cost every hit of the tier. Here a call is split into one
-pipeline per node (all sent before any answer is read, so a stalled node costs one socket
-timeout, not one per node); a node that fails or times out costs the keys it holds (they are
-misses) and goes into a back-off of its own; the other nodes' answers stand.
+pipeline per node, all sent before any answer is read, and the answers are awaited until one
+`timeout_ms` after the sends (however many nodes stall, a call waits one timeout); a node that
+fails or times out costs the keys it holds (they are misses) and goes into a back-off of its
+own; the other nodes' answers stand.
 
 The slot map is read with CLUSTER SLOTS (from any node that answers) at the first call, and
 again, at most once per `reconnect_min_ms`, after a node failed (a failover may have moved its
@@ -206,6 +207,7 @@ class ClusterClient:
         """Send each node its commands, then read every answer; returns the commands answered
         by a redirection (MOVED, ASK), per node to ask next."""
         from valkey.exceptions import ResponseError
+        from valkey.exceptions import TimeoutError as ValkeyTimeout
 
         sent: list[tuple[Node, Any, list[Pending], list[Command], float]] = []
         for address, pending in by_node.items():
@@ -235,9 +237,14 @@ class ClusterClient:
                 continue
             sent.append((node, connection, pending, wire, started))
         redirected: dict[str, list[Pending]] = {}
+        deadline = time.perf_counter() + self.config.timeout_ms / 1000
         for node, connection, pending, wire, started in sent:
             replies: list[Any] = []
             try:
+                # the call's timeout, not one per node: a node silent until the deadline (a
+                # stalled one read before it used it up) failed this call
+                if not connection.can_read(timeout=max(0.0, deadline - time.perf_counter())):
+                    raise ValkeyTimeout(f"no answer from {node.address} within the call's timeout")
                 for _ in wire:
                     try:
                         replies.append(connection.read_response())
