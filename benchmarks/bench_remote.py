@@ -137,7 +137,10 @@ def manager_fetch(url: str, page: int, blocks: int, repeats: int) -> dict[str, f
         remote = reader._remote
         assert remote is not None
         match = reader._tree.match(root_key(None), tokens, False)
-        keys = [remote.key(block.key, 0, None if remote.placement_blocks < 0 else block.tag) for block in match.blocks]
+        keys = [
+            remote.key(block.key, 0, None if remote.placement_blocks < 0 else block.tag)
+            for block in match.blocks
+        ]
         start = time.perf_counter()
         for i in range(0, len(keys), BATCH):
             remote.store.get_many(keys[i : i + BATCH])
