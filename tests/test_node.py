@@ -306,3 +306,26 @@ def test_help_explains_the_daemon():
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
     )
     assert done.returncode == 0 and "node_cache" in done.stdout and "SIGTERM" in done.stdout
+
+
+def test_the_daemon_serves_its_managers_metrics(sock_dir):
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    with socket.socket() as probe:  # (a free port)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    path = f"{sock_dir}/kvpool.sock"
+    daemon = Daemon(path, "--host-bytes", "4MiB", "--metrics-port", str(port)).start()
+    try:
+        a, b = client(path), client(path)
+        save(a, TOKENS, 3)
+        hit = b.lookup("m", None, TOKENS, True)
+        assert isinstance(hit, Hit)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+            text = page.read().decode()
+    finally:
+        daemon.stop()
+    assert "kvpool:kv_cache_usage_perc" in text
+    hits = [line for line in text.splitlines() if line.startswith("kvpool:") and "hit" in line]
+    assert any(line.endswith(f" {float(len(TOKENS))}") for line in hits), hits
