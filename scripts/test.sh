@@ -22,9 +22,11 @@ python3 -m mypy
 python3 scripts/build_docs.py --out build/docs
 # vLLM's venv (below) is built while the suite runs: installing is mostly unpacking wheels.
 venv_log=build/vllm-venv.log
-mkdir -p build
-bash scripts/vllm_venv.sh build/vllm-venv >"$venv_log" 2>&1 &
-venv_pid=$!
+if [ "$#" -eq 0 ]; then
+  mkdir -p build
+  bash scripts/vllm_venv.sh build/vllm-venv >"$venv_log" 2>&1 &
+  venv_pid=$!
+fi
 
 export KVPOOL_DEBUG=1
 PYTHON_BACKEND_TESTS=(
