@@ -105,13 +105,7 @@ class DaemonSettings:
         )
 
     def manager_config(self, hello: p.Hello) -> KVCacheManagerConfig:
-        """The manager for the first engine's layout: level 0 in shared memory (memfds), then
-        disk, then the remote tier; whole blocks only (engines load whole blocks)."""
-        tiers: list[CacheTierConfig] = [GpuCacheTierConfig(self.host_bytes, shared_by_fd=True)]
-        if self.disk_bytes:
-            assert self.disk_path is not None
-            persistent = "kvpool-node" if self.disk_persist else None
-            tiers.append(DiskCacheTierConfig(self.disk_bytes, self.disk_path, persistent))
+        """The manager for the first engine's layout (`engine_manager_config`)."""
         layers = [
             AttentionLayerConfig(
                 layer.layer_id,
@@ -120,19 +114,49 @@ class DaemonSettings:
             )
             for layer in hello.layers
         ]
-        events = None
-        if self.kv_events_endpoint is not None:
-            events = KVEventsConfig(endpoint=self.kv_events_endpoint)
-        return KVCacheManagerConfig(
-            tokens_per_block=hello.tokens_per_block,
-            cache_tiers=tiers,
-            layers=layers,
-            enable_partial_reuse=False,
-            remote_tier=None if self.remote_url is None else self.remote_tier(),
-            kv_events=events,
+        return engine_manager_config(
+            hello.tokens_per_block,
+            layers,
+            host_bytes=self.host_bytes,
+            disk_bytes=self.disk_bytes,
+            disk_path=self.disk_path,
+            persistent_id="kvpool-node" if self.disk_persist else None,
+            remote=None if self.remote_url is None else self.remote_tier(),
+            kv_events_endpoint=self.kv_events_endpoint,
             eviction_policy=self.eviction_policy,
-            max_util_for_resume=1.0,
         )
 
 
-__all__ = ["DaemonSettings"]
+def engine_manager_config(
+    tokens_per_block: int,
+    layers: list[AttentionLayerConfig],
+    *,
+    host_bytes: int,
+    disk_bytes: int,
+    disk_path: str | None,
+    persistent_id: str | None,
+    remote: RemoteCacheTierConfig | None,
+    kv_events_endpoint: str | None,
+    eviction_policy: str,
+) -> KVCacheManagerConfig:
+    """The manager that serves an engine's copies, a connector's own or a node daemon's:
+    level 0 in host memory shared with the engine's workers by file descriptor, then disk,
+    then the remote tier; whole blocks only (engines load whole blocks)."""
+    tiers: list[CacheTierConfig] = [GpuCacheTierConfig(host_bytes, shared_by_fd=True)]
+    if disk_bytes:
+        assert disk_path is not None
+        tiers.append(DiskCacheTierConfig(disk_bytes, disk_path, persistent_id))
+    events = None if kv_events_endpoint is None else KVEventsConfig(endpoint=kv_events_endpoint)
+    return KVCacheManagerConfig(
+        tokens_per_block=tokens_per_block,
+        cache_tiers=tiers,
+        layers=layers,
+        enable_partial_reuse=False,
+        remote_tier=remote,
+        kv_events=events,
+        eviction_policy=eviction_policy,
+        max_util_for_resume=1.0,
+    )
+
+
+__all__ = ["DaemonSettings", "engine_manager_config"]

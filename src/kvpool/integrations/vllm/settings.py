@@ -30,34 +30,15 @@ from kvpool.config import (
     EVICTION_POLICIES,
     AttentionLayerConfig,
     BufferConfig,
-    CacheTierConfig,
-    DiskCacheTierConfig,
-    GpuCacheTierConfig,
     KVCacheManagerConfig,
-    KVEventsConfig,
     RemoteCacheTierConfig,
 )
 from kvpool.errors import ConfigError
 from kvpool.layout import KVLayout
 from kvpool.node.protocol import socket_path
+from kvpool.node.settings import engine_manager_config
 
 GiB = 1 << 30
-EXTRA_CONFIG_KEYS = (
-    "host_bytes",
-    "disk_bytes",
-    "disk_path",
-    "disk_persist",
-    "remote_url",
-    "remote_namespace",
-    "remote_timeout_ms",
-    "eviction_policy",
-    "model_id",
-    "kv_events_endpoint",
-    "stats_path",
-    "async_lookups",
-    "node_cache",
-    "node_timeout_ms",
-)
 # the daemon's flags set these in node mode (`kvpool serve --help`)
 DAEMON_KEYS = (
     "host_bytes",
@@ -69,6 +50,14 @@ DAEMON_KEYS = (
     "remote_timeout_ms",
     "eviction_policy",
     "kv_events_endpoint",
+)
+EXTRA_CONFIG_KEYS = (
+    *DAEMON_KEYS,
+    "model_id",
+    "stats_path",
+    "async_lookups",
+    "node_cache",
+    "node_timeout_ms",
 )
 
 
@@ -339,14 +328,8 @@ class PageFormat:
         )
 
     def manager_config(self, settings: ConnectorSettings, model_id: str) -> KVCacheManagerConfig:
-        """kvpool's manager: level 0 in host memory shared with the workers (by file
-        descriptor), then disk, then the remote tier; one attention layer per vLLM layer,
+        """kvpool's manager (`engine_manager_config`): one attention layer per vLLM layer,
         with its group's life cycle. `model_id`: the model's identity."""
-        tiers: list[CacheTierConfig] = [GpuCacheTierConfig(settings.host_bytes, shared_by_fd=True)]
-        if settings.disk_bytes:
-            assert settings.disk_path is not None
-            persistent = (model_id or None) if settings.disk_persist else None
-            tiers.append(DiskCacheTierConfig(settings.disk_bytes, settings.disk_path, persistent))
         layers = []
         for g, group in enumerate(self.groups):
             size = self.buffer_bytes(g)
@@ -355,19 +338,16 @@ class PageFormat:
                 AttentionLayerConfig(layer_id, buffers, sliding_window_size=group.window)
                 for layer_id in self.layer_ids(g)
             ]
-        events = None
-        if settings.kv_events_endpoint is not None:
-            events = KVEventsConfig(endpoint=settings.kv_events_endpoint)
-        remote = None if settings.remote_url is None else settings.remote_tier(model_id)
-        return KVCacheManagerConfig(
-            tokens_per_block=self.block_size,
-            cache_tiers=tiers,
-            layers=layers,
-            enable_partial_reuse=False,  # vLLM takes whole blocks only
-            remote_tier=remote,
-            kv_events=events,
+        return engine_manager_config(
+            self.block_size,
+            layers,
+            host_bytes=settings.host_bytes,
+            disk_bytes=settings.disk_bytes,
+            disk_path=settings.disk_path,
+            persistent_id=(model_id or None) if settings.disk_persist else None,
+            remote=None if settings.remote_url is None else settings.remote_tier(model_id),
+            kv_events_endpoint=settings.kv_events_endpoint,
             eviction_policy=settings.eviction_policy,
-            max_util_for_resume=1.0,
         )
 
     def layer_groups(self, layout: KVLayout) -> list[int]:
