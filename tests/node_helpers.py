@@ -97,8 +97,11 @@ class Daemon:
             self.process.wait(10)
 
 
-def client(sock: str, model: str = "model-a", timeout_s: float = 1.0) -> NodeClient:
-    found = NodeClient(sock, hello(model), timeout_s=timeout_s, retry_s=(0.05, 0.2))
+def client(
+    sock: str, model: str = "model-a", timeout_s: float = 1.0, poll_s: float | None = None
+) -> NodeClient:
+    polling = {} if poll_s is None else {"poll_s": poll_s}
+    found = NodeClient(sock, hello(model), timeout_s=timeout_s, retry_s=(0.05, 0.2), **polling)
     assert found.connect(required=True), found.last_error
     return found
 

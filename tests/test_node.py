@@ -5,6 +5,7 @@ daemon; a slow or broken client; another user's client; bad input."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
+import termios
 import time
 
 import pytest
@@ -191,12 +193,15 @@ def test_a_client_that_sends_half_a_message_or_stops_reading_is_dropped_not_wait
     deaf.connect(daemon.socket)
     frame = p.encoder.encode(hello("deaf"))
     deaf.sendall(struct.pack("!i", len(frame)) + frame)
+    assert read_by_peer(deaf, 5.0)
     ask = p.encoder.encode(p.Stats())
     deaf.setblocking(False)
     try:
-        for _ in range(20000):  # requests, never reading a reply
+        for _ in range(20000):  # requests one at a time, never reading a reply
             deaf.send(struct.pack("!i", len(ask)) + ask)
-    except BlockingIOError:
+            if not read_by_peer(deaf, 2.0):  # (not two at once; unread: the daemon stopped)
+                break
+    except (BlockingIOError, ConnectionError):
         pass
     worst = 0.0
     deadline = time.monotonic() + 10
@@ -211,6 +216,56 @@ def test_a_client_that_sends_half_a_message_or_stops_reading_is_dropped_not_wait
     assert worst < 0.9  # (at most one time limit, 0.5 s, behind a broken client)
     half.close()
     deaf.close()
+    log = "".join(daemon.log)
+    assert "it does not read its replies" in log and "dropped: BlockingIOError" in log
+
+
+def test_a_client_that_sends_a_request_before_its_last_reply_is_dropped(daemon):
+    a = client(daemon.socket)
+    save(a, TOKENS, 20)
+    eager = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    eager.connect(daemon.socket)
+    frames = [p.encoder.encode(hello("eager")), p.encoder.encode(p.Stats())]
+    eager.sendall(b"".join(struct.pack("!i", len(f)) + f for f in frames))  # (two at once)
+    deadline = time.monotonic() + 10
+    while stats(a)["dropped"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stats(a)["dropped"] == 1 and stats(a)["engines"] == 1
+    assert "it sent a request before reading its last reply" in "".join(daemon.log)
+    hit = a.lookup("a", None, TOKENS, True)  # (the others are served as before)
+    assert isinstance(hit, Hit) and read_blocks(a, hit.slots[0]) == [{20}, {21}, {22}]
+    eager.close()
+
+
+@pytest.mark.parametrize("polling", [True, False])
+def test_lookups_are_answered_while_both_ends_poll_with_no_wake_up(sock_dir, polling):
+    flags = [] if polling else ["--busy-poll-us", "0"]
+    daemon = Daemon(f"{sock_dir}/kvpool.sock", "--host-bytes", "4MiB", *flags).start()
+    try:
+        a = client(daemon.socket, poll_s=None if polling else 0.0)
+        save(a, TOKENS, 20)
+        for i in range(50):
+            hit = a.lookup(f"r{i}", None, TOKENS, True)
+            assert isinstance(hit, Hit) and hit.tokens == len(TOKENS)
+            a.release(hit.handle)
+        node = stats(a)
+        if polling:  # (most messages found by the daemon's poll, most replies by the client's)
+            assert node["polled"] >= 25 and a.counters["polled"] >= 25
+        else:
+            assert node["polled"] == 0 and a.counters["polled"] == 0
+    finally:
+        daemon.stop()
+
+
+def read_by_peer(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether the peer read all this socket sent (its send queue empty) within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        unread = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, struct.pack("i", 0))
+        if struct.unpack("i", unread)[0] == 0:
+            return True
+        time.sleep(0.0002)
+    return False
 
 
 NOBODY = 65534
@@ -277,6 +332,8 @@ def test_sigterm_exits_cleanly_and_removes_the_socket(daemon):
         (["--socket", "/tmp/k.sock", "--disk-bytes", "1GiB"], "--disk-path=None is invalid"),
         (["--socket", "/tmp/k.sock", "--group", "no-such-group-x"], "--group='no-such-group-x'"),
         (["--socket", "/tmp/k.sock", "--io-timeout-ms", "0"], "must be an integer >= 1"),
+        (["--socket", "/tmp/k.sock", "--busy-poll-us", "-1"], "must be an integer >= 0"),
+        (["--socket", "/tmp/k.sock", "--busy-poll-us", "200000"], "--busy-poll-us=200000 is"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_flag_before_anything_is_created(flags, message):

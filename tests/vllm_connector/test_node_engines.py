@@ -165,6 +165,8 @@ def test_a_daemon_killed_and_restarted_costs_hits_never_tokens(engine_a, engine_
         ({"node_cache": "unix:///x.sock", "remote_url": "valkey://h:1"}, "--remote-url"),
         ({"node_cache": "unix:///x.sock", "node_timeout_ms": 0}, "an integer >= 1"),
         ({"node_timeout_ms": 50}, "left out without node_cache"),
+        ({"node_cache": "unix:///x.sock", "node_poll_us": -1}, "an integer >= 0"),
+        ({"node_poll_us": 0}, "['node_poll_us']=0 is invalid: must be left out without"),
     ],
 )
 def test_bad_node_settings_are_refused_naming_the_key(extra, message):

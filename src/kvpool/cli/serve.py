@@ -72,6 +72,13 @@ def add_serve_parser(commands: Any, formatter: Any) -> None:
     limits.add_argument(
         "--max-waiting", type=int_at_least(0), default=64, help="lookups per engine awaiting I/O"
     )
+    limits.add_argument(
+        "--busy-poll-us",
+        type=int_at_least(0),
+        default=200,
+        help="after each message, poll this long for the next one before sleeping: no "
+        "wake-up on a round trip, at the cost of CPU while engines are active (0: never)",
+    )
     parser.set_defaults(run=serve_command)
 
 
@@ -96,6 +103,7 @@ def settings_of(args: argparse.Namespace) -> Any:
         max_clients=args.max_clients,
         max_handles=args.max_handles,
         max_waiting=args.max_waiting,
+        busy_poll_s=args.busy_poll_us / 1e6,
     )
 
 

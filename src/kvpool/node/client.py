@@ -7,18 +7,22 @@ The daemon's shared memory arrives as file descriptors with its welcome (SCM_RIG
 client keeps them open and gives the engine's workers `/proc/<this pid>/fd/<fd>` paths, so it
 works across PID namespaces. Each connection is a new `generation`: handles and slots of an
 older one are stale (the connector fails their copies; `release` and `commit_save` ignore
-them)."""
+them).
+
+The scheduler's thread polls for a reply for up to `poll_s` before it sleeps (a wake-up costs
+more than the daemon's answer to a small lookup); it stops polling while the daemon's answers
+take longer than that (`frames.FrameSocket`)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -26,6 +30,7 @@ import msgspec
 from kvpool.config import ReuseScope
 from kvpool.errors import ConfigError
 from kvpool.node import protocol as p
+from kvpool.node.frames import FrameSocket
 from kvpool.node.sockets import set_timeouts
 from kvpool.node.store import Hit, Outcome, SavePlan
 from kvpool.tokens import Token
@@ -53,21 +58,23 @@ class NodeClient:
         path: str,
         hello: p.Hello,
         timeout_s: float = 0.1,
+        poll_s: float = 0.0003,
         retry_s: tuple[float, float] = (0.25, 5.0),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
         self.hello = hello
         self.timeout_s = timeout_s
+        self.poll_s = poll_s  # (a reply is polled for this long before the thread sleeps)
         self.retry_s = retry_s
         self.clock = clock
         # the connection whose memory `shared_memory()` maps; a connection lost (the daemon
         # releases what it held) or made changes it
         self.generation = 0
-        self.counters = {"connects": 0, "failures": 0, "refusals": 0, "calls": 0}
+        # (`polled`: replies that came while this thread polled for them, without sleeping)
+        self.counters = {"connects": 0, "failures": 0, "refusals": 0, "calls": 0, "polled": 0}
         self.last_error = ""
-        self._sock: socket.socket | None = None
-        self._conn: Connection | None = None
+        self._conn: FrameSocket | None = None
         self._fds: dict[str, int] = {}
         self._next_try = 0.0
         self._backoff = retry_s[0]
@@ -83,24 +90,22 @@ class NodeClient:
         try:
             set_timeouts(sock, self.timeout_s)
             sock.connect(self.path)
-            conn = Connection(os.dup(sock.fileno()))
-            conn.send_bytes(p.encoder.encode(self.hello))
-            if not conn.poll(max(self.timeout_s, welcome_s)):
-                conn.close()
+            conn = FrameSocket(sock, self.poll_s)
+            conn.send(p.encoder.encode(self.hello))
+            ready, _, _ = select.select([sock], [], [], max(self.timeout_s, welcome_s))
+            if not ready:
                 raise TimeoutError("no welcome")
-            reply = p.reply_decoder.decode(conn.recv_bytes(p.MAX_MESSAGE))
+            # (read to the welcome's last byte: the descriptors ride on the next one)
+            reply = p.reply_decoder.decode(conn.recv_frame_exact(p.MAX_MESSAGE))
             if isinstance(reply, p.Refused):
-                conn.close()
                 self.counters["refusals"] += 1
                 raise ConfigError(f"the kvpool node daemon at {self.path} refused: {reply.reason}")
             if not isinstance(reply, p.Welcome):
-                conn.close()
                 raise OSError(f"unexpected reply {type(reply).__name__}")
             fds: list[int] = []
             if reply.pools:
                 _, fds, _, _ = socket.recv_fds(sock, 1, len(reply.pools))
             if len(fds) != len(reply.pools):
-                conn.close()
                 for fd in fds:
                     os.close(fd)
                 raise OSError(f"{len(fds)} descriptors for {len(reply.pools)} pools")
@@ -123,7 +128,7 @@ class NodeClient:
             self._fds = dict(zip(reply.pools, fds, strict=True))
             for fd in old.values():  # (after the new ones are open: no number reused at once)
                 os.close(fd)
-            self._sock, self._conn = sock, conn
+            self._conn = conn
             self.generation += 1
             self.counters["connects"] += 1
             self._backoff = self.retry_s[0]
@@ -170,9 +175,7 @@ class NodeClient:
     def _close_connection(self) -> None:
         if self._conn is not None:
             self._conn.close()
-        if self._sock is not None:
-            self._sock.close()
-        self._conn = self._sock = None
+        self._conn = None
 
     def _call(self, message: Any) -> Any:
         """The daemon's reply, or None (it is down or too slow: the caller's fallback)."""
@@ -182,13 +185,15 @@ class NodeClient:
                 self._reconnect_in_background()
                 return None
             self.counters["calls"] += 1
+            polled = conn.polled
             try:
-                conn.send_bytes(p.encoder.encode(message))
+                conn.send(p.encoder.encode(message))
                 # (SO_RCVTIMEO bounds the wait: past `timeout_s` an OSError, EAGAIN)
-                reply = p.reply_decoder.decode(conn.recv_bytes(p.MAX_MESSAGE))
+                reply = p.reply_decoder.decode(conn.recv(p.MAX_MESSAGE))
             except (OSError, EOFError, TimeoutError, msgspec.DecodeError) as error:
                 self._down(repr(error))
                 return None
+            self.counters["polled"] += conn.polled - polled
             if isinstance(reply, p.Refused):
                 self._down(f"refused: {reply.reason}")
                 return None
@@ -264,9 +269,9 @@ def daemon_statistics(path: str, timeout_s: float = 5.0) -> dict[str, Any]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         set_timeouts(sock, timeout_s)
         sock.connect(path)
-        with Connection(os.dup(sock.fileno())) as conn:
-            conn.send_bytes(p.encoder.encode(p.Stats()))
-            reply = p.reply_decoder.decode(conn.recv_bytes(p.MAX_MESSAGE))
+        conn = FrameSocket(sock)
+        conn.send(p.encoder.encode(p.Stats()))
+        reply = p.reply_decoder.decode(conn.recv(p.MAX_MESSAGE))
     if not isinstance(reply, p.StatsReply):
         raise OSError(f"the daemon at {path} answered {reply!r}")
     return reply.stats

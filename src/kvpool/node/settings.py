@@ -43,6 +43,7 @@ class DaemonSettings:
     max_clients: int = 64
     max_handles: int = 4096  # pages-holding requests per engine
     max_waiting: int = 64  # lookups per engine waiting for I/O
+    busy_poll_s: float = 0.0002  # after a message, poll this long before sleeping
 
     def check(self) -> None:
         def fail(flag: str, value: object, allowed: str) -> None:
@@ -78,6 +79,8 @@ class DaemonSettings:
                 fail(flag, value, ">= 1")
         if self.max_waiting < 0:
             fail("max-waiting", self.max_waiting, ">= 0")
+        if not 0 <= self.busy_poll_s <= 0.1:
+            fail("busy-poll-us", round(self.busy_poll_s * 1e6), "in [0, 100000]")
         if self.group is not None:
             self.group_id()
         if self.remote_url is not None:

@@ -493,6 +493,11 @@ def node_client(
         VERSION, model_id, config.tokens_per_block, layers, tier_group, f"vllm-{os.getpid()}"
     )
     assert settings.node_cache is not None
-    client = NodeClient(settings.node_cache, hello, timeout_s=settings.node_timeout_ms / 1000)
+    client = NodeClient(
+        settings.node_cache,
+        hello,
+        timeout_s=settings.node_timeout_ms / 1000,
+        poll_s=settings.node_poll_us / 1e6,
+    )
     client.connect(required=True)
     return client

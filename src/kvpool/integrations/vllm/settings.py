@@ -18,6 +18,7 @@ Keys of `kv_connector_extra_config` (all optional):
 | `async_lookups` | a lookup that needs disk or the remote tier answers vLLM "not yet" while its I/O runs off the scheduler's thread (`lookups.py`); `false`: it reads inside the scheduler's step | `true` |
 | `node_cache` | `unix:///path/to.sock`: a `kvpool serve` daemon's socket; its one manager serves every engine on the node (the levels are the daemon's flags, not these keys) | none |
 | `node_timeout_ms` | bound on every call to the node daemon (past it: a miss, no save; reconnects by itself) | 100 |
+| `node_poll_us` | the scheduler's thread polls this long for the daemon's reply before it sleeps (no wake-up on a round trip; it stops while replies take longer); 0: never | 300 |
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ EXTRA_CONFIG_KEYS = (
     "async_lookups",
     "node_cache",
     "node_timeout_ms",
+    "node_poll_us",
 )
 
 
@@ -104,6 +106,7 @@ class ConnectorSettings:
     async_lookups: bool = True
     node_cache: str | None = None  # the daemon's socket path (from its unix:// URL)
     node_timeout_ms: int = 100
+    node_poll_us: int = 300
 
     @classmethod
     def parse(cls, extra: object) -> ConnectorSettings:
@@ -138,8 +141,10 @@ class ConnectorSettings:
                         "left out with node_cache: the node daemon's levels are its own "
                         f"(kvpool serve --{key.replace('_', '-')})",
                     )
-        elif "node_timeout_ms" in extra:
-            _fail("node_timeout_ms", extra["node_timeout_ms"], "left out without node_cache")
+        else:
+            for key in ("node_timeout_ms", "node_poll_us"):
+                if key in extra:
+                    _fail(key, extra[key], "left out without node_cache")
         unknown = sorted(str(key) for key in extra if key not in EXTRA_CONFIG_KEYS)
         if unknown:
             _fail(
@@ -177,6 +182,7 @@ class ConnectorSettings:
             async_lookups=_bool(extra, "async_lookups", True),
             node_cache=node_cache,
             node_timeout_ms=_int(extra, "node_timeout_ms", 100, 1),
+            node_poll_us=_int(extra, "node_poll_us", 300, 0),
         )
         if settings.remote_url is not None:
             try:
