@@ -96,6 +96,9 @@ class LocalStore:
         self.num_layer_groups = len(manager.layout.life_cycles)
         self.tier_group = tier_group
         self.lookups = AsyncLookups(manager, lookup_limit)
+        # (with the first level alone nothing is ever read: a lookup needs no look-ahead)
+        config = manager.config
+        self.reads = config.remote_tier is not None or len(config.cache_tiers) > 1
 
     def lookup(
         self, key: str, scope: ReuseScope | None, tokens: Sequence[Token], async_io: bool
@@ -104,7 +107,9 @@ class LocalStore:
         why not. With `async_io`, a lookup needing disk or remote reads is `WAITING` while
         the look-ahead threads read (`node.lookups`)."""
         bs, manager = self.block_size, self.manager
-        if async_io:
+        if not self.reads:  # (one match: what the tree holds is in the first level)
+            cache = manager.create_kv_cache(scope, list(tokens))
+        elif async_io:
             answer, lookahead = self.lookups.ask(key, scope, list(tokens))
             if answer is Answer.WAITING:
                 return Outcome.WAITING
