@@ -6,11 +6,14 @@ cancels its lookup; a server that fails costs hits, never an answer."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (scripts/test.sh runs this in its vLLM venv)")
 
-from kvpool.integrations.vllm.scheduler import SchedulerSide
+from kvpool.integrations.vllm.scheduler import IDLE_WAIT_S, SchedulerSide
 from kvpool.integrations.vllm.scoping import reuse_scope
 from kvpool.integrations.vllm.settings import (
     ConnectorSettings,
@@ -95,6 +98,41 @@ def test_a_lookup_waiting_on_the_server_never_holds_the_others(server):
     side.loads.pop("r-local").cache.close()
     side.loads.pop("r-remote").cache.close()
     assert side.manager.num_open_kv_caches == 0  # (the cancelled lookup held nothing)
+    side.shutdown()
+
+
+def test_an_empty_step_pauses_for_a_waiting_lookup_instead_of_spinning(server):
+    """vLLM steps again at once while a request waits: an empty step with a lookup waiting
+    pauses (up to IDLE_WAIT_S, less once the lookup is ready); a step with work never does."""
+    writer = scheduler_for(server.url)
+    remote = Request("r-remote", prompt(1, 4))
+    commit(writer, remote, 4)
+    assert writer.manager.flush_remote_writes(10)
+    writer.shutdown()
+
+    side = scheduler_for(server.url)
+    empty = SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})
+    busy = SimpleNamespace(total_num_scheduled_tokens=7, num_scheduled_tokens={"x": 7})
+    started = time.perf_counter()
+    side.build_connector_meta(empty)  # (nothing waits: no pause)
+    assert side.counters.idle_waits == 0
+    server.pause()
+    try:
+        assert side.get_num_new_matched_tokens(remote, 0) == (None, False)
+        side.build_connector_meta(busy)
+        assert side.counters.idle_waits == 0
+        started = time.perf_counter()
+        for _ in range(5):
+            side.build_connector_meta(empty)
+        assert time.perf_counter() - started >= 5 * IDLE_WAIT_S * 0.9  # (slept, not spun)
+        assert side.counters.idle_waits == 5
+    finally:
+        server.unpause()
+    started = time.perf_counter()
+    assert side.lookups.wait_any(30)  # (returns when the lookup is ready, not at the limit)
+    assert time.perf_counter() - started < 20
+    assert side.get_num_new_matched_tokens(remote, 0) == (4 * BLOCK, True)
+    side.loads.pop("r-remote").cache.close()
     side.shutdown()
 
 

@@ -295,7 +295,9 @@ class Simulation:
             if not self.allocate(request, end, request.num_computed_tokens):
                 continue  # (no room this step: it waits)
             scheduled[request.request_id] = end - request.num_computed_tokens
-        output = SimpleNamespace(num_scheduled_tokens=scheduled)
+        output = SimpleNamespace(
+            num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values())
+        )
         meta = self.scheduler.build_connector_meta(
             output, lambda rid: Blocks(self.requests[rid].tables).get_block_ids()
         )

@@ -216,6 +216,11 @@ class NodeClient:
         if self._conn is not None:
             self._call(p.Cancel(key))
 
+    def idle(self, timeout_s: float) -> None:
+        """(The daemon's look-aheads are not seen from here: a pause in place of a step that
+        would ask the daemon again at once.)"""
+        time.sleep(timeout_s)
+
     def plan_save(self, scope: ReuseScope | None, tokens: Sequence[Token]) -> SavePlan | Outcome:
         lora, salt = _scope(scope)
         reply = self._call(p.PlanSave(lora, salt, _ints(tokens)))

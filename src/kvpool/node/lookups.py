@@ -7,6 +7,7 @@ at a time; past that a lookup is a miss (the engine computes), never a wait."""
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 from kvpool.lookahead import Lookahead
@@ -49,6 +50,17 @@ class AsyncLookups:
             return Answer.WAITING, None
         del self._waiting[request_id]
         return Answer.READY, lookahead
+
+    def wait_any(self, timeout_s: float, every_s: float = 0.0002) -> bool:
+        """Sleep until a waiting lookup is ready, at most `timeout_s` (True: one is)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if any(lookahead.ready for lookahead in self._waiting.values()):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(every_s, left))
 
     def cancel(self, request_id: str) -> bool:
         """The request went away (finished, aborted): drop its look-ahead."""

@@ -66,6 +66,11 @@ class Store(Protocol):
 
     def cancel(self, key: str) -> None: ...
 
+    def idle(self, timeout_s: float) -> None:
+        """The engine has nothing to run until a waiting lookup is ready: return when one is,
+        or after `timeout_s`."""
+        ...
+
     def plan_save(
         self, scope: ReuseScope | None, tokens: Sequence[Token]
     ) -> SavePlan | Outcome: ...
@@ -160,6 +165,9 @@ class LocalStore:
     def cancel(self, key: str) -> None:
         """The lookup's request went away: drop its look-ahead."""
         self.lookups.cancel(key)
+
+    def idle(self, timeout_s: float) -> None:
+        self.lookups.wait_any(timeout_s)
 
     def plan_save(self, scope: ReuseScope | None, tokens: Sequence[Token]) -> SavePlan | Outcome:
         """A request for `tokens` (whole blocks) whose history is at their end, with new pages

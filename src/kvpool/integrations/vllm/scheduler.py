@@ -77,10 +77,16 @@ class ConnectorCounters:
     failed_saves: int = 0  # a worker could not write the pages: not committed
     load_failures: int = 0  # lookups that could not bring their pages up (a read error)
     stale_transfers: int = 0  # planned in a lost node daemon connection's memory: failed
+    idle_waits: int = 0  # empty steps paused for a waiting lookup (not spun through)
 
 
 BlockIds = Sequence[Sequence[int]]  # per vLLM KV-cache group
 _WAIT = object()  # a lookup whose I/O runs: "not yet" to vLLM
+# An empty step while lookups wait: vLLM's engine loop steps again at once, for as long as a
+# request waits (a core spun, the interpreter held against the look-ahead threads and the
+# server's processes). Paused instead, until a lookup is ready or this long (the most a request
+# arriving meanwhile waits for its first step).
+IDLE_WAIT_S = 0.002
 
 
 class SchedulerSide:
@@ -368,6 +374,13 @@ class SchedulerSide:
         )
         self._save_transfers, self._load_transfers, self._store_transfers = [], [], []
         self._write_stats()
+        if (
+            self._waiting
+            and getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
+            and not (meta.saves or meta.loads or meta.stores)
+        ):
+            self.counters.idle_waits += 1
+            self.store.idle(IDLE_WAIT_S)
         return meta
 
     def _of_generation(
