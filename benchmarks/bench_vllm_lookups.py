@@ -13,7 +13,8 @@ with asynchronous lookups (the default: "not yet" to vLLM while the look-ahead t
 Columns: time to first token (client side, streamed) p50 and p99 of each class, the local
 class's p99 against the row without a remote tier (the goal: at most 1.1x), and vLLM's
 scheduler step (`Scheduler.schedule`, timed in the engine core by a `sitecustomize` hook)
-p50 and p99 over the measured phase. Every row's tokens are checked equal to the first row's.
+p50 and p99 over the measured phase's steps that ran requests, and the number of empty steps
+(vLLM's engine loop steps again at once while a request waits: the connector pauses them). Every row's tokens are checked equal to the first row's.
 
 Run (in the venv scripts/vllm_venv.sh makes):
     build/vllm-venv/bin/python benchmarks/bench_vllm_lookups.py [--requests 60] [--delay-ms 100]
@@ -49,13 +50,12 @@ if path:
         Scheduler = None
     if Scheduler is not None:
         original = Scheduler.schedule
+        log = open(path, "a", buffering=1)
         def schedule(self, *args, **kwargs):
             started = time.perf_counter()
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                with open(path, "a") as file:
-                    file.write(f"{time.perf_counter() - started}\\n")
+            output = original(self, *args, **kwargs)
+            log.write(f"{time.perf_counter() - started} {output.total_num_scheduled_tokens}\\n")
+            return output
         Scheduler.schedule = schedule
 """
 
@@ -83,7 +83,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_row(name, model, extra, workload, warm, rate, log_dir) -> dict:
+def run_row(name, extra, model, workload, warm, rate, log_dir) -> dict:
     options = ("--num-gpu-blocks-override", "96")
     hook = log_dir / "hook"
     hook.mkdir(exist_ok=True)
@@ -98,7 +98,7 @@ def run_row(name, model, extra, workload, warm, rate, log_dir) -> dict:
         for prompt in warm:  # this server's host memory holds these afterwards
             server.complete(prompt, 2)
         server.complete([1998] * 40)  # (the step after the last finish copies its blocks)
-        measured_from = len(steps.read_text().split()) if steps.exists() else 0
+        measured_from = len(steps.read_text().splitlines()) if steps.exists() else 0
         results: list[tuple[str, float, list[int]] | None] = [None] * len(workload)
 
         def send(i: int) -> None:
@@ -117,9 +117,10 @@ def run_row(name, model, extra, workload, warm, rate, log_dir) -> dict:
         server.stop()
     done = [r for r in results if r is not None]
     row = {"name": name, "tokens": [r[2] for r in done]}
-    times = [float(t) for t in steps.read_text().split()[measured_from:]]
-    busy = [t for t in times if t > 0]
+    lines = [line.split() for line in steps.read_text().splitlines()[measured_from:]]
+    busy = [float(t) for t, tokens in lines if int(tokens) > 0]  # (steps that ran requests)
     row["step"] = (statistics.median(busy), percentile(busy, 0.99))
+    row["empty_steps"] = sum(int(tokens) == 0 for _, tokens in lines)
     for kind in ("local", "remote"):
         times = [r[1] for r in done if r[0] == kind]
         row[kind] = (statistics.median(times), percentile(times, 0.99))
@@ -132,6 +133,12 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=100)
     parser.add_argument("--rate", type=float, default=4, help="requests per second")
     parser.add_argument("--prompt", type=int, default=16 * BLOCK + 5)
+    parser.add_argument(
+        "--rows",
+        default="none,sync,async",
+        help="which rows, in order, comma-separated (none: no remote tier; sync, async: "
+        "lookups); a row named twice runs twice (alternating runs on a noisy machine)",
+    )
     args = parser.parse_args()
     rng = random.Random(0)
     n_remote = args.requests // 3
@@ -162,16 +169,16 @@ def main() -> None:
                 writer.stop()  # (its shutdown flushes what it queued)
             delayed = f"valkey://127.0.0.1:{proxy.port}"
             base = {"host_bytes": 256 << 20, "remote_timeout_ms": 5000}
+            kinds = {
+                "none": ("no remote tier", base),
+                "sync": ("remote, synchronous lookups",
+                         {**base, "remote_url": delayed, "async_lookups": False}),
+                "async": ("remote, asynchronous lookups", {**base, "remote_url": delayed}),
+            }  # fmt: skip
             rows = [
-                run_row("no remote tier", model, base, workload, local_prompts,
-                        args.rate, tmp_path),
-                run_row("remote, synchronous lookups", model,
-                        {**base, "remote_url": delayed, "async_lookups": False},
-                        workload, local_prompts, args.rate, tmp_path),
-                run_row("remote, asynchronous lookups", model,
-                        {**base, "remote_url": delayed}, workload, local_prompts,
-                        args.rate, tmp_path),
-            ]  # fmt: skip
+                run_row(*kinds[kind], model, workload, local_prompts, args.rate, tmp_path)
+                for kind in args.rows.split(",")
+            ]
         finally:
             proxy.stop()
             valkey.stop()
@@ -182,15 +189,15 @@ def main() -> None:
     )
     print(
         "| row | local p50 | local p99 | remote p50 | remote p99 | local p99 / no remote "
-        "| step p50 | step p99 |"
+        "| step p50 | step p99 | empty steps |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         local, remote, step = row["local"], row["remote"], row["step"]
         print(
             f"| {row['name']} | {local[0] * 1e3:.0f} | {local[1] * 1e3:.0f} | "
             f"{remote[0] * 1e3:.0f} | {remote[1] * 1e3:.0f} | {local[1] / reference:.2f} | "
-            f"{step[0] * 1e3:.2f} | {step[1] * 1e3:.1f} |"
+            f"{step[0] * 1e3:.2f} | {step[1] * 1e3:.1f} | {row['empty_steps']:,} |"
         )
     same = all(row["tokens"] == rows[0]["tokens"] for row in rows)
     print(f"\ntokens equal in every row: {same}")
