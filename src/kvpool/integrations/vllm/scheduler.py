@@ -33,12 +33,11 @@ from typing import Any
 
 from kvpool.errors import ConfigError
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata, Transfer
+from kvpool.integrations.vllm.node import node_client
 from kvpool.integrations.vllm.scoping import AdapterIdentities, reusable, reuse_scope
 from kvpool.integrations.vllm.settings import NULL_BLOCK_ID, ConnectorSettings, PageFormat
 from kvpool.layout import KVLayout
 from kvpool.manager import KVCacheManager
-from kvpool.node.client import NodeClient
-from kvpool.node.protocol import VERSION, Hello, Layer
 from kvpool.node.store import Hit, LocalStore, Outcome, SavePlan, Store
 
 log = logging.getLogger("kvpool.vllm")
@@ -486,31 +485,3 @@ class SchedulerSide:
             self._write_stats(force=True)
         finally:
             self.store.shutdown(self.persist_on_shutdown)
-
-
-def node_client(
-    settings: ConnectorSettings, config: Any, model_id: str, tier_group: int
-) -> NodeClient:
-    """A client of the node daemon at `settings.node_cache`, said hello to now: a daemon of
-    another layout is a `ConfigError` at the engine's start; an absent one is not (the engine
-    computes until it is there)."""
-    layers = [
-        Layer(
-            layer.layer_id,
-            [(buffer.role, buffer.size) for buffer in layer.buffers],
-            layer.sliding_window_size,
-        )
-        for layer in config.layers
-    ]
-    hello = Hello(
-        VERSION, model_id, config.tokens_per_block, layers, tier_group, f"vllm-{os.getpid()}"
-    )
-    assert settings.node_cache is not None
-    client = NodeClient(
-        settings.node_cache,
-        hello,
-        timeout_s=settings.node_timeout_ms / 1000,
-        poll_s=settings.node_poll_us / 1e6,
-    )
-    client.connect(required=True)
-    return client
