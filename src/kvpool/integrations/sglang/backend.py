@@ -20,6 +20,7 @@ not `page_size` per key) raise, an `ArgumentError` naming them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -303,14 +304,17 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def statistics(self) -> dict[str, Any]:
         """Counters since start: `hit_pages_by_tier` (where each page read was found:
         staging, host, disk, remote), `miss_pages`, `corrupt_pages`, `stored_pages`,
-        `present_pages` (writes of pages already stored), `failures`, timeouts, bytes."""
+        `present_pages` (writes of pages already stored), `failures`, timeouts, bytes; and
+        `remote`, the remote tier's own counters (values found corrupt among them)."""
         counters = dict(self.counters)
+        remote = None if self.manager is None else self.manager.remote_statistics()
         by_tier = {
             name.removeprefix("hit_"): n for name, n in counters.items() if name.startswith("hit_")
         }
         return {
             "hit_pages_by_tier": by_tier,
             **{k: v for k, v in counters.items() if not k.startswith("hit_")},
+            "remote": None if remote is None else dataclasses.asdict(remote),
         }
 
     # -- the copies -----------------------------------------------------------------------------
