@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import queue
 import sys
 import threading
-import time
 import warnings
 from typing import Any
 
@@ -67,9 +65,7 @@ def host_pool(kind: str, layout: str, device: Any, ratio: float = 2.0) -> Any:
     )
     if kind == "mha":
         return MHATokenToKVPoolHost(info, ratio, 0, PAGE, layout, **common)
-    return MLATokenToKVPoolHost(
-        info, ratio, 0, PAGE, layout, target_layer_num=LAYERS, **common
-    )
+    return MLATokenToKVPoolHost(info, ratio, 0, PAGE, layout, target_layer_num=LAYERS, **common)
 
 
 def single_rank() -> None:
@@ -235,6 +231,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    queue  # (imported for the controller's queues' Empty in callers)
-    time  # noqa: B018
     main(sys.argv[1:])

@@ -254,14 +254,16 @@ def test_tensor_parallel_mha_ranks_keep_their_own_heads_mla_ranks_share(valkey):
         assert second.batch_exists(keys) == (3 if shared else 0)
         if shared:
             assert second.batch_get_v1(keys, indices) == [True] * 3
-            assert torch.equal(host2.get_data_page(0, flat=False), host.get_data_page(0, flat=False))
+            assert torch.equal(
+                host2.get_data_page(0, flat=False), host.get_data_page(0, flat=False)
+            )
         second.close()
 
 
 def test_bad_host_indices_are_named():
     engine = Engine("mha", "page_first", {"staging_bytes": 2 * MiB})
-    with pytest.raises(ArgumentError, match="host_indices=.*page_size per key"):
+    with pytest.raises(ArgumentError, match=r"host_indices=.*page_size per key"):
         engine.backend.batch_get_v1(["a", "b"], torch.arange(PAGE))
-    with pytest.raises(ArgumentError, match="keys=.*list of strings"):
+    with pytest.raises(ArgumentError, match=r"keys=.*list of strings"):
         engine.backend.batch_exists([1, 2])
     engine.close()
