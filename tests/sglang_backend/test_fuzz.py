@@ -7,8 +7,8 @@ checked byte for byte; with room for everything, a prompt's stored pages are all
 from __future__ import annotations
 
 import random
-from collections import Counter
 import threading
+from collections import Counter
 
 import pytest
 
