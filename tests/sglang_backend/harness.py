@@ -167,16 +167,46 @@ def page_bytes_for(key: str, nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
 
 
-def canonical(engine: Engine, index: int) -> Any:
-    return engine.backend.page.canonical(engine.host, int(index))
+def token_kv(engine: Engine, layer: int, slot: int) -> list[Any]:
+    """The host pool's memory of one token slot of one layer ([K, V] of [heads, dim] for MHA,
+    [latent] of [1, dim] for MLA), found from the host pool's buffer shapes as SGLang allocates
+    them (`init_kv_buffer`), independently of the backend's own page views."""
+    buffer, layout = engine.host.kv_buffer, engine.layout
+    page, offset = divmod(slot, PAGE)
+    if engine.kind == "mha":  # [2, ...]
+        if layout == "layer_first":  # [2, L, size, H, D]
+            return [buffer[0, layer, slot], buffer[1, layer, slot]]
+        if layout == "page_first":  # [2, size, L, H, D]
+            return [buffer[0, slot, layer], buffer[1, slot, layer]]
+        return [
+            buffer[0, page, layer, offset],
+            buffer[1, page, layer, offset],
+        ]  # [2, n, L, P, H, D]
+    if layout == "layer_first":  # [L, size, 1, D]
+        return [buffer[layer, slot]]
+    if layout == "page_first":  # [size, L, 1, D]
+        return [buffer[slot, layer]]
+    return [buffer[page, layer, offset]]  # [n, L, P, 1, D]
+
+
+def expected(engine: Engine, key: str) -> Any:
+    """What every test writes for page `key`: [parts, layers, tokens, ...] of bytes that are a
+    function of the key alone, so a reader checks what it got without knowing who wrote it."""
+    parts = 2 if engine.kind == "mha" else 1
+    one = token_kv(engine, 0, 0)[0]
+    shape = (parts, LAYERS, PAGE, *one.shape)
+    nbytes = one.element_size() * parts * LAYERS * PAGE * one.numel()
+    return page_bytes_for(key, nbytes).view(one.dtype).view(shape)
 
 
 def fill_pages(engine: Engine) -> Any:
     def fill(indices: torch.Tensor, hashes: list[str]) -> None:
         for i, key in enumerate(hashes):
-            view = canonical(engine, indices[i * PAGE])
-            flat = page_bytes_for(key, view.numel() * view.element_size())
-            view.copy_(flat.view(view.dtype).view(view.shape))
+            want, start = expected(engine, key), int(indices[i * PAGE])
+            for layer in range(LAYERS):
+                for t in range(PAGE):
+                    for part, view in enumerate(token_kv(engine, layer, start + t)):
+                        view.copy_(want[part, layer, t])
 
     return fill
 
@@ -185,11 +215,18 @@ def check_pages(engine: Engine, indices: Any, hashes: list[str]) -> int:
     """Pages whose bytes are exactly what `fill_pages` wrote for their key."""
     good = 0
     for i, key in enumerate(hashes):
-        view = canonical(engine, indices[i * PAGE]).contiguous()
-        want = page_bytes_for(key, view.numel() * view.element_size())
-        if torch.equal(view.view(-1).view(torch.uint8), want):
-            good += 1
+        want, start = expected(engine, key), int(indices[i * PAGE])
+        good += all(  # (as bytes: random bytes include NaNs, never equal as floats)
+            torch.equal(_bytes(view), _bytes(want[part, layer, t]))
+            for layer in range(LAYERS)
+            for t in range(PAGE)
+            for part, view in enumerate(token_kv(engine, layer, start + t))
+        )
     return good
+
+
+def _bytes(tensor: Any) -> Any:
+    return tensor.contiguous().view(torch.uint8)
 
 
 def prompt(seed: int, pages: int) -> list[int]:
