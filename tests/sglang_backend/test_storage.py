@@ -267,3 +267,51 @@ def test_bad_host_indices_are_named():
     with pytest.raises(ArgumentError, match=r"keys=.*list of strings"):
         engine.backend.batch_exists([1, 2])
     engine.close()
+
+
+def test_a_tier_that_raises_is_a_miss_and_a_write_not_done():
+    from kvpool.errors import StorageError
+
+    engine = Engine("mha", "page_first", {"staging_bytes": 2 * MiB})
+    keys = engine.write(prompt(0, 2), fill_pages(engine))
+    backend = engine.backend
+    manager = backend.manager
+
+    class Failing:  # (the manager, with the calls that reach the levels failing)
+        def __init__(self, failing: tuple[str, ...]):
+            self.failing = failing
+
+        def __getattr__(self, name):
+            if name in self.failing:
+                raise StorageError(f"injected: {name} failed (a level's I/O error)")
+            return getattr(manager, name)
+
+    indices = engine.host.alloc(2 * PAGE)
+    backend.manager = Failing(("create_kv_cache",))
+    assert backend.batch_get_v1(keys, indices) == [False, False]
+    assert backend.batch_set_v1([f"{k:064x}" for k in range(2)], indices) == [False, False]
+    backend.manager = Failing(("probe_reuse",))
+    assert backend.batch_exists(keys) == 0
+    assert backend.statistics()["failures"] == 1 + 2 + 1  # (a read stops at its first miss)
+    backend.manager = manager
+    assert backend.batch_exists(keys) == 2
+    engine.host.free(indices)
+    engine.close()
+
+
+def test_exists_is_the_leading_run_of_stored_pages():
+    engine = Engine("mha", "page_first", {"staging_bytes": 2 * MiB})
+    backend = engine.backend
+    keys = [f"{k:064x}" for k in range(4)]
+    indices = engine.host.alloc(4 * PAGE)
+    fill_pages(engine)(indices, keys)
+    assert backend.batch_set_v1([keys[0], keys[2], keys[3]],
+                                torch.cat([indices[:PAGE], indices[2 * PAGE :]])) == [True] * 3  # fmt: skip
+    assert backend.batch_exists(keys) == 1  # (keys[1] is missing: what follows does not count)
+    assert backend.batch_exists(keys[2:]) == 2
+    got = engine.host.alloc(4 * PAGE)
+    assert backend.batch_get_v1(keys, got) == [True, False, False, False]
+    assert check_pages(engine, got, keys[:1]) == 1
+    engine.host.free(indices)
+    engine.host.free(got)
+    engine.close()
