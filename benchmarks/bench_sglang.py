@@ -167,7 +167,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--budget-pages", type=int, default=5000, help="disk budget, in pages")
     parser.add_argument("--dir", default=None, help="where both backends keep their files")
+    parser.add_argument(
+        "--rounds", type=int, default=0,
+        help="instead of the trace: time per page of set and get, both backends alternating "
+        "this many rounds (2,000 pages written, 1,024 read back at random, within the budget)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.rounds:
+        alternating(args)
+        return
     rows = [json.loads(line) for line in TRACE.open()][: args.requests]
     prompts = [chained(row["hash_ids"]) for row in rows]
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-sglang-"))
@@ -216,6 +224,54 @@ def main() -> None:
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)
     os.sync()
+
+
+def make(name: str, where: Path, budget_pages: int) -> Driver:
+    shutil.rmtree(where, ignore_errors=True)
+    where.mkdir(parents=True)
+    host = host_pool()
+    page_bytes = host.get_data_page(0, flat=True).numel() * 2
+    budget = budget_pages * page_bytes
+    if name == "file":
+        backend: Any = HiCacheFile(
+            storage_config({"file_storage_path": str(where), "max_size": budget})
+        )
+        backend.register_mem_pool_host(host)
+        return Driver(name, backend, host, zero_copy=False)
+    staging = 2 * MiB
+    extra = {"staging_bytes": staging, "disk_bytes": budget - staging, "disk_path": str(where),
+             "disk_persist": False}  # fmt: skip
+    backend = KVPoolHiCacheStorage(storage_config(extra), {})
+    backend.register_mem_pool_host(host)
+    return Driver(name, backend, host, zero_copy=True)
+
+
+def alternating(args: argparse.Namespace) -> None:
+    """Per page set and get of each backend, alternating, with every page within the budget:
+    the cost of the calls alone, on a noisy machine compared round by round."""
+    import random
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-sglang-"))
+    keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(2000)]
+    rng = random.Random(1)
+    reads = [rng.sample(keys, STORAGE_BATCH_SIZE) for _ in range(8)]
+    print("| round | backend | us/page set | us/page get |")
+    print("|---|---|---|---|")
+    for r in range(args.rounds):
+        for name in ["file", "kvpool"]:
+            driver = make(name, root / f"{name}{r}", max(args.budget_pages, 2400))
+            indices = driver.host.alloc(STORAGE_BATCH_SIZE * PAGE)
+            for i in range(0, len(keys), STORAGE_BATCH_SIZE):
+                batch = keys[i : i + STORAGE_BATCH_SIZE]
+                assert driver.set(batch, indices[: len(batch) * PAGE])
+            for batch in reads:
+                assert driver.get(batch, indices) == len(batch)
+            driver.host.free(indices)
+            u = driver.report(0)["us_per_page"]
+            print(f"| {r} | {name} | {u['set']} | {u['get']} |", flush=True)
+            if name == "kvpool":
+                driver.backend.close()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

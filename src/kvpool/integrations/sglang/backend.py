@@ -332,9 +332,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._driving("get") as manager:
             if manager is None:
                 return done
+            view = manager.page_view(0, ROLE)  # (no pool resizes while the lock is held)
             for i, (key, target) in enumerate(zip(keys, targets, strict=True)):
                 try:
-                    ok = self._read_one(manager, key, target)
+                    ok = self._read_one(manager, view, key, target)
                 except Exception as error:
                     self._failed("get", error)
                     ok = False
@@ -344,7 +345,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._note("prefetch", sum(done), started)
         return done
 
-    def _read_one(self, manager: KVCacheManager, key: str, target: Any) -> bool:
+    def _read_one(self, manager: KVCacheManager, view: Any, key: str, target: Any) -> bool:
         assert self.page is not None
         token = self._token(key)
         cache = manager.create_kv_cache(self._scope, [token])
@@ -356,7 +357,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if not cache.resume() or cache.num_committed_tokens < 1:
                 self.counters["miss_pages"] += 1
                 return False
-            row = manager.page_view(0, ROLE)[int(cache.get_page_indices(0, ROLE)[0])]
+            row = view[int(cache.get_page_indices(0, ROLE)[0])]
             if bytes(row[self.page.nbytes :]) != token[:TAG_BYTES]:
                 self.counters["corrupt_pages"] += 1
                 log.warning("kvpool: the page stored for %s names another key: a miss", key)
@@ -379,15 +380,16 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._driving("set") as manager:
             if manager is None:
                 return done
+            view = manager.page_view(0, ROLE)
             for i, (key, source) in enumerate(zip(keys, sources, strict=True)):
                 try:
-                    done[i] = self._write_one(manager, key, source)
+                    done[i] = self._write_one(manager, view, key, source)
                 except Exception as error:
                     self._failed("set", error)
         self._note("backup", sum(done), started)
         return done
 
-    def _write_one(self, manager: KVCacheManager, key: str, source: Any) -> bool:
+    def _write_one(self, manager: KVCacheManager, view: Any, key: str, source: Any) -> bool:
         assert self.page is not None
         token = self._token(key)
         if manager.probe_reuse(self._scope, [token], remote=False) >= 1:
@@ -398,7 +400,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if not (cache.resume() and cache.resize(1)):
                 self.counters["no_room_pages"] += 1
                 return False
-            row = manager.page_view(0, ROLE)[int(cache.get_page_indices(0, ROLE)[0])]
+            row = view[int(cache.get_page_indices(0, ROLE)[0])]
             stored = torch.from_numpy(row[: self.page.nbytes]).view(self.page.dtype)
             stored.view(self.page.shape).copy_(source)
             row[self.page.nbytes :] = memoryview(token[:TAG_BYTES])
