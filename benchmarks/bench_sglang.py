@@ -206,6 +206,10 @@ def main() -> None:
         report["seconds"] = round(time.perf_counter() - started, 1)
         if name == "kvpool":
             report["kvpool"] = backend.statistics()
+            stats = backend.manager.stats()  # (its own traffic between levels: promotions too)
+            report["kvpool"]["bytes_moved_to_level"] = dict(
+                zip(stats.level_names, stats.moved_bytes_to_level, strict=True)
+            )
             backend.close()
         results.append(report)
         print(json.dumps(report), flush=True)
