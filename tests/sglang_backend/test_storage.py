@@ -315,3 +315,37 @@ def test_exists_is_the_leading_run_of_stored_pages():
     engine.host.free(indices)
     engine.host.free(got)
     engine.close()
+
+
+def test_sglangs_generic_path_without_interface_v1():
+    from tests.sglang_backend import harness
+
+    engine = Engine("mla", "layer_first", {"staging_bytes": 2 * MiB, "interface_v1": 0})
+    assert engine.controller.page_set_func == engine.controller._generic_page_set  # (reached)
+    keys = engine.write(prompt(0, 3), fill_pages(engine))
+    loaded, indices, hashes = engine.read(prompt(0, 3))
+    assert loaded // PAGE == 3 and hashes == keys
+    assert check_pages(engine, indices, hashes) == 3
+    engine.host.free(indices)
+    stats = engine.backend.statistics()
+    assert stats["stored_pages"] == 3 and stats["hit_pages_by_tier"] == {"staging": 3}
+    assert harness.BACKEND["interface_v1"] == 1  # (the other tests take the zero-copy path)
+    engine.close()
+
+
+def test_storage_metrics_and_clear():
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    engine = Engine("mha", "page_first", {"staging_bytes": 2 * MiB})
+    keys = engine.write(prompt(0, 2), fill_pages(engine))
+    loaded, indices, _ = engine.read(prompt(0, 2))
+    assert loaded == 2 * PAGE
+    engine.host.free(indices)
+    metrics = engine.backend.get_stats()
+    assert isinstance(metrics, StorageMetrics)
+    assert metrics.backup_pgs == [2] and metrics.prefetch_pgs == [2]
+    assert metrics.kvpool["hit_pages_by_tier"] == {"staging": 2}
+    assert engine.backend.get_stats().prefetch_pgs == []  # (since the last call)
+    engine.backend.clear()
+    assert engine.backend.batch_exists(keys) == 0
+    engine.close()
