@@ -349,3 +349,25 @@ def test_storage_metrics_and_clear():
     engine.backend.clear()
     assert engine.backend.batch_exists(keys) == 0
     engine.close()
+
+
+def test_ranks_of_one_server_share_a_disk_path(tmp_path):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from kvpool.integrations.sglang import KVPoolHiCacheStorage
+    from tests.sglang_backend.harness import BACKEND, device_pool, host_pool
+
+    backends = []
+    for tp_rank, pp_rank, dp_rank in [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)]:
+        config = HiCacheStorageConfig(
+            tp_rank=tp_rank, tp_size=2, pp_rank=pp_rank, pp_size=2, attn_cp_rank=0,
+            attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+            is_page_first_layout=True, model_name="m", dp_rank=dp_rank,
+            extra_config={**BACKEND, **disk(tmp_path, megabytes=4)},
+        )  # fmt: skip
+        storage = KVPoolHiCacheStorage(config, {})
+        storage.register_mem_pool_host(host_pool("mha", "page_first", device_pool("mha")))
+        backends.append(storage)  # (a second manager on one directory would be refused)
+    assert len({str(b.manager.disk_recovery.path) for b in backends}) == 4
+    for storage in backends:
+        storage.close()

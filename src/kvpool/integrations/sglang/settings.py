@@ -5,7 +5,7 @@ key before anything is built.
 |---|---|---|
 | `staging_bytes` | kvpool's first level: host memory pages pass through between SGLang's host pool and the levels below (pages read recently stay there) | 256 MiB |
 | `host_bytes` | a host-memory level below it | none |
-| `disk_bytes`, `disk_path` | a disk level (both or neither); each rank keeps its files in a directory of its own below `disk_path` | none |
+| `disk_bytes`, `disk_path` | a disk level (both or neither); each SGLang process (its tensor-, pipeline- and data-parallel rank) keeps its files in a directory of its own below `disk_path` | none |
 | `disk_persist` | the disk level outlives the process: a restarted server of the same model identity finds its pages again, each checked | `true` |
 | `remote_url` | a Valkey/Redis server shared by servers (`valkey://host:port`) | none |
 | `remote_namespace` | separates tenants on one server | `""` |
