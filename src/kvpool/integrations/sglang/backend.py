@@ -140,7 +140,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             tiers.append(HostCacheTierConfig(s.host_bytes))
         if s.disk_bytes:
             assert s.disk_path is not None
-            path = os.path.join(s.disk_path, f"kvpool-sglang-{self.shard.label}")
+            config = self.storage_config  # (a directory per process: one manager owns one)
+            process = (
+                f"{self.shard.label}-pp{config.pp_rank}of{config.pp_size}"
+                f"-dp{getattr(config, 'dp_rank', 0)}"
+            )
+            path = os.path.join(s.disk_path, f"kvpool-sglang-{process}")
             os.makedirs(path, exist_ok=True)
             persistent = f"{identity.digest}|{self.shard.label}" if s.disk_persist else None
             tiers.append(DiskCacheTierConfig(s.disk_bytes, path, persistent))
