@@ -170,9 +170,18 @@ def main() -> None:
     parser.add_argument(
         "--rounds", type=int, default=0,
         help="instead of the trace: time per page of set and get, both backends alternating "
-        "this many rounds (2,000 pages written, 1,024 read back at random, within the budget)",
+        "this many rounds (--round-pages written, 1,024 read back at random, within the budget)",
     )  # fmt: skip
+    parser.add_argument("--round-pages", type=int, default=2000, help="pages a round writes")
     args = parser.parse_args()
+    page_bytes = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
+    smallest = -(-4 * MiB // page_bytes)  # (kvpool's staging and disk levels: 2 MiB each at least)
+    if args.budget_pages < smallest:
+        parser.error(f"--budget-pages={args.budget_pages} is too small: must be >= {smallest}")
+    if args.round_pages < STORAGE_BATCH_SIZE:
+        parser.error(f"--round-pages={args.round_pages} is too small: must be >= 128")
+    if args.requests < 1:
+        parser.error(f"--requests={args.requests} is invalid: must be >= 1")
     if args.rounds:
         alternating(args)
         return
@@ -256,14 +265,15 @@ def alternating(args: argparse.Namespace) -> None:
     import random
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-sglang-"))
-    keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(2000)]
+    keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(args.round_pages)]
     rng = random.Random(1)
     reads = [rng.sample(keys, STORAGE_BATCH_SIZE) for _ in range(8)]
     print("| round | backend | us/page set | us/page get |")
     print("|---|---|---|---|")
     for r in range(args.rounds):
         for name in ["file", "kvpool"]:
-            driver = make(name, root / f"{name}{r}", max(args.budget_pages, 2400))
+            budget = max(args.budget_pages, args.round_pages + 400)  # (every page fits)
+            driver = make(name, root / f"{name}{r}", budget)
             indices = driver.host.alloc(STORAGE_BATCH_SIZE * PAGE)
             for i in range(0, len(keys), STORAGE_BATCH_SIZE):
                 batch = keys[i : i + STORAGE_BATCH_SIZE]
