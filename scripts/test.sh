@@ -20,12 +20,16 @@ python3 -m ruff check .
 python3 -m ruff format --check .
 python3 -m mypy
 python3 scripts/build_docs.py --out build/docs
-# vLLM's venv (below) is built while the suite runs: installing is mostly unpacking wheels.
+# vLLM's and SGLang's venvs (below) are built while the suite runs: installing is mostly
+# unpacking wheels.
 venv_log=build/vllm-venv.log
+sglang_log=build/sglang-venv.log
 if [ "$#" -eq 0 ]; then
   mkdir -p build
   bash scripts/vllm_venv.sh build/vllm-venv >"$venv_log" 2>&1 &
   venv_pid=$!
+  bash scripts/sglang_venv.sh build/sglang-venv >"$sglang_log" 2>&1 &
+  sglang_pid=$!
 fi
 
 export KVPOOL_DEBUG=1
@@ -60,6 +64,13 @@ if [ "$status" -eq 0 ] && [ "$#" -eq 0 ]; then
   wait "$venv_pid" || { cat "$venv_log"; exit 1; }
   tail -1 "$venv_log"
   build/vllm-venv/bin/python -m pytest -q -p no:cacheprovider tests/vllm_connector || status=$?
+fi
+if [ "$status" -eq 0 ] && [ "$#" -eq 0 ]; then
+  # SGLang's own cache controller and host pools with kvpool's storage backend, in a venv of
+  # its own (SGLang goes in without its CUDA dependency list: scripts/sglang_venv.sh).
+  wait "$sglang_pid" || { cat "$sglang_log"; exit 1; }
+  tail -1 "$sglang_log"
+  build/sglang-venv/bin/python -m pytest -q -p no:cacheprovider tests/sglang_backend || status=$?
 fi
 if [ "$status" -eq 5 ]; then
   echo "test.sh: pytest collected no tests; that is a failure" >&2

@@ -1,0 +1,130 @@
+"""SGLang's host-pool pages as kvpool stores them.
+
+SGLang's HiCache host pool (`sglang.srt.mem_cache.pool_host`) keeps a model's KV in one of
+three layouts; a page (the KV of `page_size` tokens, every layer) is not contiguous in any of
+them except `page_first_direct`. kvpool stores one page as one block of one buffer, in a
+canonical order that does not depend on the layout, so that a page written by a process with
+one layout is read by a process with another:
+
+- MHA (`MHATokenToKVPoolHost`): [K/V, layer, token, head, dim];
+- MLA (`MLATokenToKVPoolHost`, the latent vector and rope part in one row per token):
+  [layer, token, 1, dim].
+
+`PageFormat.canonical(host_pool, index)` is a strided view of the host pool's memory in that
+order (SGLang's own `get_data_page(index, flat=False)`, permuted): copies go straight between
+it and kvpool's page, no intermediate tensor. After the KV bytes, each stored page carries a
+tag of `TAG_BYTES` naming its key (see `backend.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.errors import ConfigError
+
+TAG_BYTES = 16
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+# The host pool classes whose page layout this module knows (by exact class name: a subclass
+# stores something else: asymmetric K/V widths, FP8 scales, sparse pages, indexer buffers).
+MHA_POOL = "MHATokenToKVPoolHost"
+MLA_POOL = "MLATokenToKVPoolHost"
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """One page of a host pool: its kind (`mha`/`mla`), layout, canonical shape and dtype."""
+
+    kind: str
+    layout: str
+    page_size: int
+    layer_num: int
+    head_num: int
+    head_dim: int
+    dtype: Any  # a torch.dtype
+    shape: tuple[int, ...]  # the canonical order (module docstring)
+    native_shape: tuple[int, ...]  # the layout's own (`get_data_page(i, flat=False)`)
+    nbytes: int  # bytes of one page's KV (the stored value adds TAG_BYTES)
+
+    def identity_parts(self) -> dict[str, object]:
+        """What changes a stored page's bytes (not the layout: the canonical order hides it)."""
+        return {
+            "sglang.kind": self.kind,
+            "sglang.page_size": self.page_size,
+            "sglang.layer_num": self.layer_num,
+            "sglang.head_num": self.head_num,
+            "sglang.head_dim": self.head_dim,
+            "sglang.dtype": str(self.dtype),
+        }
+
+    def canonical(self, host_pool: Any, index: int) -> Any:
+        """The page starting at token slot `index` of `host_pool`, as a view in canonical order."""
+        return self.canonical_of(host_pool.get_data_page(index, flat=False))
+
+    def canonical_of(self, page: Any) -> Any:
+        """A page in the layout's own order (or flat, as SGLang's flat data pages are), as a
+        view in canonical order."""
+        return _PERMUTE[(self.kind, self.layout)](page.view(self.native_shape))
+
+
+_PERMUTE: dict[tuple[str, str], Callable[[Any], Any]] = {
+    ("mha", "layer_first"): lambda page: page,  # [2, L, P, H, D]
+    ("mha", "page_first"): lambda page: page.permute(0, 2, 1, 3, 4),  # [2, P, L, H, D]
+    ("mha", "page_first_direct"): lambda page: page[:, 0],  # [2, 1, L, P, H, D]
+    ("mla", "layer_first"): lambda page: page,  # [L, P, 1, D]
+    ("mla", "page_first"): lambda page: page.permute(1, 0, 2, 3),  # [P, L, 1, D]
+    ("mla", "page_first_direct"): lambda page: page[0],  # [1, L, P, 1, D]
+}
+
+
+def page_format(host_pool: Any) -> PageFormat:
+    """The page format of an SGLang host pool; `ConfigError` naming what is not supported."""
+    name = type(host_pool).__name__
+    if name not in (MHA_POOL, MLA_POOL):
+        raise ConfigError(
+            f"mem_pool_host={name} is not supported: kvpool's SGLang backend stores the pages "
+            f"of {MHA_POOL} and {MLA_POOL} (a hybrid or quantized-scale pool is not supported)"
+        )
+    layout = str(host_pool.layout)
+    if layout not in LAYOUTS:
+        raise ConfigError(
+            f"mem_pool_host.layout={layout!r} is not supported: must be one of {list(LAYOUTS)}"
+        )
+    if int(getattr(host_pool, "dcp_size", 1)) != 1:
+        raise ConfigError("mem_pool_host.dcp_size > 1 (decode context parallel) is not supported")
+    page_size = int(host_pool.page_size)
+    layer_num = int(host_pool.layer_num)
+    if name == MHA_POOL:
+        kind, head_num, head_dim = "mha", int(host_pool.head_num), int(host_pool.head_dim)
+        if int(getattr(host_pool, "v_head_dim", head_dim)) != head_dim:
+            raise ConfigError(
+                f"mem_pool_host.v_head_dim={host_pool.v_head_dim} differs from head_dim="
+                f"{head_dim}: not supported"
+            )
+        shape: tuple[int, ...] = (2, layer_num, page_size, head_num, head_dim)
+    else:
+        kind, head_num, head_dim = "mla", 1, int(host_pool.kv_cache_dim)
+        shape = (layer_num, page_size, 1, head_dim)
+    dtype = host_pool.dtype
+    nbytes = dtype.itemsize
+    for dim in shape:
+        nbytes *= dim
+    native = host_pool.get_data_page(0, flat=False)
+    native_shape = tuple(int(d) for d in native.shape)
+    found = PageFormat(
+        kind, layout, page_size, layer_num, head_num, head_dim, dtype, shape, native_shape, nbytes
+    )
+    probe = _PERMUTE[(kind, layout)](native)
+    if tuple(probe.shape) != shape or native.untyped_storage().data_ptr() != (
+        host_pool.kv_buffer.untyped_storage().data_ptr()
+    ):
+        raise ConfigError(
+            f"mem_pool_host ({name}, {layout}): its pages are not views of shape {shape} of its "
+            f"buffer (got {tuple(probe.shape)}); this SGLang release stores pages differently"
+        )
+    return found
+
+
+__all__ = ["LAYOUTS", "TAG_BYTES", "PageFormat", "page_format"]
