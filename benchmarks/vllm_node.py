@@ -151,6 +151,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=128, help="vLLM's own pool, blocks")
     parser.add_argument("--host-mib", type=int, default=96, help="host memory in all")
+    parser.add_argument("--busy-poll-us", type=int, default=200, help="the daemon's poll")
+    parser.add_argument("--node-poll-us", type=int, default=300, help="each client's poll")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # (a child: one engine)
     args = parser.parse_args()
     if args.engine:
@@ -163,9 +165,13 @@ def main() -> None:
         model = str(work / "model")
         share = (args.host_mib // args.engines) << 20
         own = run(args, model, [{"host_bytes": share}] * args.engines)
-        daemon = Daemon(f"{directory}/kvpool.sock", "--host-bytes", f"{args.host_mib}MiB").start()
+        daemon = Daemon(
+            f"{directory}/kvpool.sock",
+            *("--host-bytes", f"{args.host_mib}MiB", "--busy-poll-us", str(args.busy_poll_us)),
+        ).start()
         try:
-            node = run(args, model, [{"node_cache": f"unix://{daemon.socket}"}] * args.engines)
+            client = {"node_cache": f"unix://{daemon.socket}", "node_poll_us": args.node_poll_us}
+            node = run(args, model, [client] * args.engines)
         finally:
             daemon.stop()
     finally:
