@@ -105,8 +105,8 @@ def timed_lookups(store, tokens: list[int], count: int, tag: str, rate: float = 
     return found
 
 
-def one_client(sock: str, tokens: list[int], count: int, rate: float, start, queue) -> None:
-    engine = client(sock)
+def one_client(sock: str, tokens: list[int], count: int, rate: float, poll_s, start, queue):
+    engine = client(sock, poll_s=poll_s)
     start.wait()
     queue.put(timed_lookups(engine, tokens, count, "c", rate))
 
@@ -119,9 +119,10 @@ def latency(args: argparse.Namespace, directory: str) -> dict[str, float]:
     tokens = list(range(10_000, 10_000 + 48 * BLOCK))
     local = local_store(16 * MiB)
     serve(local, "warm", tokens + [0])
-    daemon = Daemon(f"{directory}/lat.sock", "--host-bytes", "16MiB").start()
+    polls = ("--busy-poll-us", str(args.busy_poll_us))
+    daemon = Daemon(f"{directory}/lat.sock", "--host-bytes", "16MiB", *polls).start()
     try:
-        engine = client(daemon.socket)
+        engine = client(daemon.socket, poll_s=args.node_poll_us / 1e6)
         serve(engine, "warm", tokens + [0])
         rounds = []
         for _ in range(3):  # alternating, medians
@@ -156,7 +157,10 @@ def concurrent(args: argparse.Namespace, sock: str, tokens: list[int], rate: flo
     context = multiprocessing.get_context("fork")
     start, queue = context.Event(), context.Queue()
     workers = [
-        context.Process(target=one_client, args=(sock, tokens, args.lookups, rate, start, queue))
+        context.Process(
+            target=one_client,
+            args=(sock, tokens, args.lookups, rate, args.node_poll_us / 1e6, start, queue),
+        )
         for _ in range(args.clients)
     ]
     for worker in workers:
@@ -181,6 +185,8 @@ def main() -> None:
         "--rate", type=float, default=200.0, help="lookups per second per client, paced run"
     )
     parser.add_argument("--no-latency", action="store_true", help="the hits only")
+    parser.add_argument("--busy-poll-us", type=int, default=200, help="the daemon's poll")
+    parser.add_argument("--node-poll-us", type=int, default=300, help="each client's poll")
     args = parser.parse_args()
     import kvpool
 
