@@ -237,6 +237,31 @@ def test_a_client_that_sends_a_request_before_its_last_reply_is_dropped(daemon):
     eager.close()
 
 
+def test_a_client_whose_descriptors_pass_1024_connects(daemon):
+    """An engine holds many descriptors (vLLM, torch, sockets): the welcome's wait must not be
+    select(), which refuses a descriptor past 1,023."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("needs a descriptor limit of 1,200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    fillers = []
+    try:
+        while not fillers or fillers[-1] < 1100:
+            fillers.append(os.open("/dev/null", os.O_RDONLY))
+        a = client(daemon.socket)
+        assert a._conn is not None and a._conn.fileno() > 1100
+        save(a, TOKENS, 30)
+        hit = a.lookup("a", None, TOKENS, True)
+        assert isinstance(hit, Hit) and read_blocks(a, hit.slots[0]) == [{30}, {31}, {32}]
+        a.shutdown()
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 @pytest.mark.parametrize("polling", [True, False])
 def test_lookups_are_answered_while_both_ends_poll_with_no_wake_up(sock_dir, polling):
     # (polls long enough that a loaded CI machine's pauses between messages fit in them)

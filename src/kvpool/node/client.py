@@ -92,8 +92,9 @@ class NodeClient:
             sock.connect(self.path)
             conn = FrameSocket(sock, self.poll_s)
             conn.send(p.encoder.encode(self.hello))
-            ready, _, _ = select.select([sock], [], [], max(self.timeout_s, welcome_s))
-            if not ready:
+            waiting = select.poll()  # (not select(): an engine's descriptors pass 1,024)
+            waiting.register(sock, select.POLLIN)
+            if not waiting.poll(max(self.timeout_s, welcome_s) * 1000):
                 raise TimeoutError("no welcome")
             # (read to the welcome's last byte: the descriptors ride on the next one)
             reply = p.reply_decoder.decode(conn.recv_frame_exact(p.MAX_MESSAGE))
