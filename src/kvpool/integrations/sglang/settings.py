@@ -21,10 +21,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, NoReturn
 
 from kvpool.config import EVICTION_POLICIES, RemoteCacheTierConfig
 from kvpool.errors import ConfigError
+from kvpool.integrations.extra_config import ExtraConfig
+
+_EXTRA = ExtraConfig("hicache_storage_backend_extra_config")
+_fail = _EXTRA.fail
+_int = _EXTRA.integer
+_str = _EXTRA.string
 
 MiB = 1 << 20
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")
@@ -41,26 +46,6 @@ KEYS = (
     "model_id",
     "timeout_ms",
 )
-
-
-def _fail(key: str, value: object, allowed: str) -> NoReturn:
-    raise ConfigError(
-        f"hicache_storage_backend_extra_config[{key!r}]={value!r} is invalid: must be {allowed}"
-    )
-
-
-def _int(extra: dict[str, Any], key: str, default: int, minimum: int) -> int:
-    value = extra.get(key, default)
-    if type(value) is not int or value < minimum:
-        _fail(key, value, f"an integer >= {minimum}")
-    return int(value)
-
-
-def _str(extra: dict[str, Any], key: str, default: str | None) -> str | None:
-    value = extra.get(key, default)
-    if value is not None and not isinstance(value, str):
-        _fail(key, value, "a string")
-    return value
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,16 @@ from kvpool.config import (
     RemoteCacheTierConfig,
 )
 from kvpool.errors import ConfigError
+from kvpool.integrations.extra_config import ExtraConfig
 from kvpool.layout import KVLayout
 from kvpool.node.protocol import socket_path
 from kvpool.node.settings import engine_manager_config
+
+_EXTRA = ExtraConfig("kv_connector_extra_config")
+_fail = _EXTRA.fail
+_int = _EXTRA.integer
+_bool = _EXTRA.flag
+_str = _EXTRA.string
 
 GiB = 1 << 30
 # the daemon's flags set these in node mode (`kvpool serve --help`)
@@ -61,31 +68,6 @@ EXTRA_CONFIG_KEYS = (
     "node_timeout_ms",
     "node_poll_us",
 )
-
-
-def _fail(key: str, value: object, allowed: str) -> None:
-    raise ConfigError(f"kv_connector_extra_config[{key!r}]={value!r} is invalid: must be {allowed}")
-
-
-def _int(extra: dict[str, Any], key: str, default: int, minimum: int) -> int:
-    value = extra.get(key, default)
-    if type(value) is not int or value < minimum:
-        _fail(key, value, f"an integer >= {minimum}")
-    return int(value)
-
-
-def _bool(extra: dict[str, Any], key: str, default: bool) -> bool:
-    value = extra.get(key, default)
-    if type(value) is not bool:
-        _fail(key, value, "true or false")
-    return bool(value)
-
-
-def _str(extra: dict[str, Any], key: str, default: str | None) -> str | None:
-    value = extra.get(key, default)
-    if value is not None and not isinstance(value, str):
-        _fail(key, value, "a string")
-    return value
 
 
 @dataclass(frozen=True)
