@@ -213,27 +213,26 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Read page i of `keys` into the host pool at `host_indices[i * page_size]`."""
-        page = self._page_or_none()
-        _check_keys(keys)
-        if page is None:
-            return [False] * len(keys)
-        _check_indices(host_indices, len(keys), page.page_size)
-        starts = host_indices[:: page.page_size].tolist()
-        targets = [page.canonical(self.mem_pool_host, int(s)) for s in starts]
-        return self._read(keys, targets)
+        targets = self._host_pages(keys, host_indices)
+        return [False] * len(keys) if targets is None else self._read(keys, targets)
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Store page i of `keys` from the host pool at `host_indices[i * page_size]`."""
+        sources = self._host_pages(keys, host_indices)
+        return [False] * len(keys) if sources is None else self._write(keys, sources)
+
+    def _host_pages(self, keys: list[str], host_indices: torch.Tensor) -> list[Any] | None:
+        """The host pool's page i of `keys`, at `host_indices[i * page_size]`, each in the
+        canonical order (None before a host pool is registered)."""
         page = self._page_or_none()
         _check_keys(keys)
         if page is None:
-            return [False] * len(keys)
+            return None
         _check_indices(host_indices, len(keys), page.page_size)
         starts = host_indices[:: page.page_size].tolist()
-        sources = [page.canonical(self.mem_pool_host, int(s)) for s in starts]
-        return self._write(keys, sources)
+        return [page.canonical(self.mem_pool_host, int(s)) for s in starts]
 
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
