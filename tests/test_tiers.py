@@ -5,9 +5,11 @@ import errno
 import os
 import random
 
+import numpy as np
 import pytest
 
 from kvpool import (
+    ArgumentError,
     DiskCacheTierConfig,
     GpuCacheTierConfig,
     HostCacheTierConfig,
@@ -490,3 +492,76 @@ def test_the_decision_record_names_each_move_by_slot_ids_and_the_copies_are_coun
     assert m.stats().copy_bytes - before == moved * page_bytes
     engine.check(held, tokens)
     held.close()
+
+
+def buffer_bytes(m, cache):
+    """Each committed block's bytes of every (layer, role), read through the GPU page views."""
+    found = {}
+    for layer in LAYERS:
+        for buffer in layer.buffers:
+            view = m.page_view(layer.layer_id, buffer.role)
+            rows = cache.get_page_indices(layer.layer_id, buffer.role)
+            for block, row in enumerate(rows):
+                found[block, layer.layer_id, buffer.role] = bytes(view[int(row)])
+    return found
+
+
+def test_read_committed_reads_a_page_where_it_lies_and_moves_nothing(make, tmp_path, monkeypatch):
+    """A suspended request reads its prefix's buffers from the GPU, host and disk levels
+    byte for byte, and no page moves (a storage backend serving a page from disk)."""
+    m, engine = make()
+    prompt = list(range(1, 4 * TPB + 1))
+    cache = m.create_kv_cache(None, prompt)
+    assert cache.resume() and engine.step(cache, prompt, prompt)
+    written = buffer_bytes(m, cache)
+    cache.close()
+    assert len(written) == 4 * 2 * 2 and len(set(written.values())) == len(written)
+    for level, traffic in [(0, []), (1, [10_000]), (2, [20_000])]:
+        for seed in traffic:
+            fill(m, engine, seed, 32)
+        assert levels_of(m, prompt) == [level] * 4
+        moved = list(m.num_moved_pages)
+        reader = m.create_kv_cache(None, prompt + [7])
+        assert reader.num_committed_tokens == 4 * TPB
+        for (block, layer_id, role), expected in written.items():
+            out = np.full(len(expected), 0xEE, dtype=np.uint8)
+            reader.read_committed(block, layer_id, role, out)
+            assert out.tobytes() == expected, (level, block, layer_id, role)
+        assert levels_of(m, prompt) == [level] * 4  # nothing brought up
+        assert list(m.num_moved_pages) == moved
+        reader.close()
+        m.check_invariants()
+
+    reader = m.create_kv_cache(None, prompt)
+    size = len(written[0, 0, LAYERS[0].buffers[0].role])
+    role = LAYERS[0].buffers[0].role
+    bad = [
+        ((4, 0, role, np.empty(size, np.uint8)), "block=4 is invalid"),
+        ((0, 9, role, np.empty(size, np.uint8)), r"\(layer_id, role\)"),
+        ((0, 0, role, np.empty(size - 1, np.uint8)), "out=.* 16383 bytes|out=.*x16383"),
+        ((0, 0, role, np.empty(size, np.int8)), "out=.*int8"),
+        ((0, 0, role, np.empty(2 * size, np.uint8)[::2]), "C-contiguous"),
+        ((0, 0, role, bytearray(size)), "out=.*bytearray"),
+    ]
+    for args, message in bad:
+        with pytest.raises(ArgumentError, match=message):
+            reader.read_committed(*args)
+    fd, real = disk_fd(m), os.preadv
+
+    def bad_sector(file, buffers, offset):
+        if file == fd:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(file, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", bad_sector)
+    with pytest.raises(StorageError, match=r"disk level read .* Input/output error"):
+        reader.read_committed(0, 0, role, np.empty(size, np.uint8))
+    monkeypatch.undo()
+    assert reader.status is KVCacheStatus.SUSPENDED and levels_of(m, prompt) == [2] * 4
+    m.check_invariants()
+    assert reader.resume()  # (still whole: brought up and checked)
+    engine.check(reader, prompt)
+    reader.close()
+    reader.close()
+    with pytest.raises(LogicError, match="closed"):
+        reader.read_committed(0, 0, role, np.empty(size, np.uint8))

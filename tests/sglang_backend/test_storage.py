@@ -138,6 +138,30 @@ def test_damaged_disk_pages_are_misses(tmp_path):
     assert got["loaded_pages"] < PROMPTS * PAGES  # (what the damage reached is gone)
 
 
+def test_a_page_on_the_disk_level_is_read_where_it_lies(tmp_path):
+    """SGLang's host pool is the cache above kvpool: a page read from kvpool's disk level goes
+    straight into it, nothing is brought up to the staging level (no copy, no eviction), and
+    the page is still on disk for the next reader."""
+    engine = Engine("mha", "page_first", disk(tmp_path))
+    write_prompts(engine, count=25)  # (125 pages of 24 KiB: the oldest are past staging)
+    backend = engine.backend
+    manager = backend.manager
+
+    def moved() -> list[int]:
+        manager.transfer_to_current_thread()
+        return list(manager.stats().moved_bytes_to_level)
+
+    before = moved()
+    for attempt in range(2):
+        loaded, indices, hashes = engine.read(prompt(0, PAGES), rid=f"r{attempt}")
+        assert loaded == PAGES * PAGE
+        assert check_pages(engine, indices, hashes) == PAGES
+        engine.host.free(indices)
+        assert backend.statistics()["hit_pages_by_tier"] == {"disk": (attempt + 1) * PAGES}
+    assert moved() == before  # (no page brought up, none pushed down to make room)
+    engine.close()
+
+
 def test_a_page_stored_under_another_key_is_a_miss():
     engine = Engine("mha", "layer_first", {"staging_bytes": 2 * MiB})
     keys = engine.write(prompt(0, 2), fill_pages(engine))

@@ -7,7 +7,9 @@ step by step is done by parts made once per manager (`CacheParts`), which it cal
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import SupportsIndex
+from typing import Any, SupportsIndex
+
+import numpy as np
 
 from kvpool.cache.commits import Commits
 from kvpool.cache.forking import Forking
@@ -20,12 +22,12 @@ from kvpool.cache.state import (
     PriorityCallback,
     RequestState,
 )
-from kvpool.errors import LogicError
+from kvpool.errors import ArgumentError, LogicError
 from kvpool.radix import Match
 from kvpool.records import Block, Page
 from kvpool.tiers import Staged
 from kvpool.tokens import Token
-from kvpool.validation import check_index
+from kvpool.validation import check_index, fail
 
 
 class CacheParts:
@@ -149,6 +151,46 @@ class KVCache(RequestState):
     def _resume_failed(self) -> bool:
         self._ctx.counters.failed_resumes += 1
         return False
+
+    def read_committed(
+        self, block: SupportsIndex, layer_id: SupportsIndex, role: object, out: Any
+    ) -> None:
+        """Copy buffer (`layer_id`, `role`) of committed block `block` into `out` (a writable,
+        C-contiguous uint8 numpy array of the buffer's size) from whichever level holds its
+        page, moving nothing. A storage backend under an engine's own host cache serves a
+        stored page this way: one read from the disk level, no promotion and no eviction on
+        the way (the lookup that created this request counted as the page's use). The
+        request's pages are held or locked, so the page stays put meanwhile. Not for a prefix
+        still pending in the remote tier (`resume` or `prefetch` fetches it first).
+        `StorageError` when the disk read fails, with nothing changed."""
+        self._require_open("read_committed")
+        if self.pending_remote_tokens:
+            raise LogicError(
+                f"read_committed() on KV cache {self.id}: its remote prefix is not fetched "
+                "(resume() or prefetch() first)"
+            )
+        tpb = self._tpb
+        index = check_index("block", block, -(-self._committed // tpb))
+        placement = self._ctx.layout.placement(layer_id, role)
+        if not (
+            isinstance(out, np.ndarray)
+            and out.dtype == np.uint8
+            and out.size == placement.size
+            and out.flags.c_contiguous
+            and out.flags.writeable
+        ):
+            fail(
+                "out",
+                f"{type(out).__name__} {getattr(out, 'dtype', '')} x{getattr(out, 'size', '?')}",
+                f"a writable C-contiguous uint8 numpy array of {placement.size} bytes",
+            )
+        page = self._pages[placement.layer_group][index]
+        if page is None:
+            raise ArgumentError(
+                f"block={index} is invalid: KV cache {self.id} holds no page of it for layer "
+                f"{placement.layer_id} (out of its window)"
+            )
+        self._ctx.migration.read_buffer(page, placement.pool, placement.offset, out)
 
     def prefetch(self, level: SupportsIndex) -> bool:
         """Suspended requests only: move the request's pages that are colder than `level` up

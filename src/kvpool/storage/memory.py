@@ -65,6 +65,10 @@ class Memory(ABC):
     def write(self, offset: int, data: Bytes | bytes) -> None:
         """Write `data` at `offset`."""
 
+    def readinto(self, offset: int, out: Bytes) -> None:
+        """Fill the contiguous array `out` with the bytes at `offset`."""
+        out[:] = self.read(offset, out.size)
+
     @abstractmethod
     def close(self) -> None:
         """Release the memory (idempotent)."""
@@ -264,6 +268,10 @@ class HostMemory(Memory):
     def read(self, offset: int, nbytes: int) -> Bytes:
         self._check_range(offset, nbytes)
         return self.array[offset : offset + nbytes].copy()
+
+    def readinto(self, offset: int, out: Bytes) -> None:
+        self._check_range(offset, out.size)
+        out[:] = self.array[offset : offset + out.size]
 
     def write(self, offset: int, data: Bytes | bytes) -> None:
         source = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data

@@ -144,6 +144,15 @@ class Migration:
             for memory, size in zip(group.memories, group.slot_sizes, strict=True)
         )
 
+    def read_buffer(self, page: Page, pool: int, offset: int, out: np.ndarray) -> None:
+        """Copy one buffer of the page's slot (pool `pool`, `offset` bytes into its slot) into
+        `out`, from the level the page is on (`StorageError` if a disk read fails)."""
+        assert page.slot is not None
+        wait_before(page.slot.ready_event, False)  # (the CPU reads it)
+        group = self._state.levels[page.level].pool_groups[page.pool_group]
+        size = group.slot_sizes[pool]
+        group.memories[pool].readinto(page.slot.slot_id * size + offset, out)
+
     def write_page(self, page: Page, payload: bytes | memoryview) -> None:
         """Fill the page's slot with `payload`, pool by pool (as `read_page` returns it)."""
         assert page.slot is not None

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
@@ -337,9 +338,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if manager is None:
                 return done
             view = manager.page_view(0, ROLE)  # (no pool resizes while the lock is held)
+            scratch = _Scratch(view.shape[1], self.page)  # (pages read where they lie)
             for i, (key, target) in enumerate(zip(keys, targets, strict=True)):
                 try:
-                    ok = self._read_one(manager, view, key, target)
+                    ok = self._read_one(manager, view, scratch, key, target)
                 except Exception as error:
                     self._failed("get", error)
                     ok = False
@@ -349,7 +351,13 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._note("prefetch", sum(done), started)
         return done
 
-    def _read_one(self, manager: KVCacheManager, view: Any, key: str, target: Any) -> bool:
+    def _read_one(
+        self, manager: KVCacheManager, view: Any, scratch: _Scratch, key: str, target: Any
+    ) -> bool:
+        """Page `key` into `target`. A local page is read where it lies (into `scratch`, then
+        checked): SGLang's host pool is the cache above, so bringing the page up to kvpool's
+        staging level would cost a copy and an eviction for nothing. A page found on the
+        remote tier is fetched into the staging level (and stays there for the next reader)."""
         assert self.page is not None
         token = self._token(key)
         cache = manager.create_kv_cache(self._scope, [token])
@@ -357,17 +365,23 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if cache.num_committed_tokens < 1:
                 self.counters["miss_pages"] += 1
                 return False
-            tier = "remote" if cache.pending_remote_tokens else self._tier_of(cache)
-            if not cache.resume() or cache.num_committed_tokens < 1:
-                self.counters["miss_pages"] += 1
-                return False
-            row = view[int(cache.get_page_indices(0, ROLE)[0])]
+            if cache.pending_remote_tokens:
+                tier = "remote"
+                if not cache.resume() or cache.num_committed_tokens < 1:
+                    self.counters["miss_pages"] += 1
+                    return False
+                row = view[int(cache.get_page_indices(0, ROLE)[0])]
+                stored = torch.from_numpy(row[: self.page.nbytes]).view(self.page.dtype)
+                stored = stored.view(self.page.shape)
+            else:
+                tier = self._tier_of(cache)
+                cache.read_committed(0, 0, ROLE, scratch.row)
+                row, stored = scratch.row, scratch.page
             if bytes(row[self.page.nbytes :]) != token[:TAG_BYTES]:
                 self.counters["corrupt_pages"] += 1
                 log.warning("kvpool: the page stored for %s names another key: a miss", key)
                 return False
-            stored = torch.from_numpy(row[: self.page.nbytes]).view(self.page.dtype)
-            target.copy_(stored.view(self.page.shape))
+            target.copy_(stored)
             self.counters[f"hit_{tier}"] += 1
             self.counters["read_bytes"] += self.page.nbytes
             return True
@@ -385,29 +399,33 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             if manager is None:
                 return done
             view = manager.page_view(0, ROLE)
+            scratch = _Scratch(view.shape[1], self.page)
             for i, (key, source) in enumerate(zip(keys, sources, strict=True)):
                 try:
-                    done[i] = self._write_one(manager, view, key, source)
+                    done[i] = self._write_one(manager, view, scratch, key, source)
                 except Exception as error:
                     self._failed("set", error)
         self._note("backup", sum(done), started)
         return done
 
-    def _write_one(self, manager: KVCacheManager, view: Any, key: str, source: Any) -> bool:
+    def _write_one(
+        self, manager: KVCacheManager, view: Any, scratch: _Scratch, key: str, source: Any
+    ) -> bool:
+        """Page `key` from `source` into a new staging page (through `scratch`: the page in
+        canonical order, then its tag), committed; a page stored already is left as it is."""
         assert self.page is not None
         token = self._token(key)
-        if manager.probe_reuse(self._scope, [token], remote=False) >= 1:
-            self.counters["present_pages"] += 1
-            return True
         cache = manager.create_kv_cache(self._scope, [token], remote=False)
         try:
+            if cache.num_committed_tokens >= 1:
+                self.counters["present_pages"] += 1
+                return True
             if not (cache.resume() and cache.resize(1)):
                 self.counters["no_room_pages"] += 1
                 return False
-            row = view[int(cache.get_page_indices(0, ROLE)[0])]
-            stored = torch.from_numpy(row[: self.page.nbytes]).view(self.page.dtype)
-            stored.view(self.page.shape).copy_(source)
-            row[self.page.nbytes :] = memoryview(token[:TAG_BYTES])
+            scratch.page.copy_(source)
+            scratch.row[self.page.nbytes :] = np.frombuffer(token[:TAG_BYTES], dtype=np.uint8)
+            view[int(cache.get_page_indices(0, ROLE)[0])] = scratch.row
             cache.commit([token])
             manager.write_remote(cache, 0)
             self.counters["stored_pages"] += 1
@@ -426,6 +444,15 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _failed(self, operation: str, error: Exception) -> None:
         self.counters["failures"] += 1
         log.warning("kvpool: %s failed (%s: %s): a miss", operation, type(error).__name__, error)
+
+
+class _Scratch:
+    """One stored page's bytes (`row`: the page, then its tag) and the page as a tensor in
+    canonical order over them (`page`), made once per batch of reads."""
+
+    def __init__(self, row_bytes: int, page: PageFormat) -> None:
+        self.row = np.empty(row_bytes, dtype=np.uint8)
+        self.page = torch.from_numpy(self.row[: page.nbytes]).view(page.dtype).view(page.shape)
 
 
 def _check_keys(keys: object) -> None:
