@@ -337,6 +337,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._driving("get") as manager:
             if manager is None:
                 return done
+            assert self.page is not None  # (registered with the manager)
             view = manager.page_view(0, ROLE)  # (no pool resizes while the lock is held)
             scratch = _Scratch(view.shape[1], self.page)  # (pages read where they lie)
             for i, (key, target) in enumerate(zip(keys, targets, strict=True)):
@@ -398,6 +399,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._driving("set") as manager:
             if manager is None:
                 return done
+            assert self.page is not None  # (registered with the manager)
             view = manager.page_view(0, ROLE)
             scratch = _Scratch(view.shape[1], self.page)
             for i, (key, source) in enumerate(zip(keys, sources, strict=True)):
