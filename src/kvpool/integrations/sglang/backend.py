@@ -83,6 +83,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.page: PageFormat | None = None
         self.identity: ModelIdentity | None = None
         self.mem_pool_host: Any = None
+        self._scratch: _Scratch | None = None
         self._lock = threading.Lock()
         self._salt = b""
         self._scope: ReuseScope | None = None
@@ -105,6 +106,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         page = page_format(mem_pool_host)
         identity = sglang_identity(self.storage_config, page, self.settings.model_id)
         self.mem_pool_host, self.page, self.identity = mem_pool_host, page, identity
+        self._scratch = _Scratch(page)  # (one page; used while the lock is held)
         self._salt = f"sglang|{identity.digest}|{self.shard.label}".encode()
         self._scope = ReuseScope(salt=self._salt)
         self.manager = KVCacheManager(self._manager_config(page, identity))
@@ -337,9 +339,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._driving("get") as manager:
             if manager is None:
                 return done
-            assert self.page is not None  # (registered with the manager)
+            assert self.page is not None and self._scratch is not None  # (registered)
             view = manager.page_view(0, ROLE)  # (no pool resizes while the lock is held)
-            scratch = _Scratch(view.shape[1], self.page)  # (pages read where they lie)
+            scratch = self._scratch  # (pages read where they lie)
             for i, (key, target) in enumerate(zip(keys, targets, strict=True)):
                 try:
                     ok = self._read_one(manager, view, scratch, key, target)
@@ -399,9 +401,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._driving("set") as manager:
             if manager is None:
                 return done
-            assert self.page is not None  # (registered with the manager)
+            assert self.page is not None and self._scratch is not None  # (registered)
             view = manager.page_view(0, ROLE)
-            scratch = _Scratch(view.shape[1], self.page)
+            scratch = self._scratch
             for i, (key, source) in enumerate(zip(keys, sources, strict=True)):
                 try:
                     done[i] = self._write_one(manager, view, scratch, key, source)
@@ -452,8 +454,8 @@ class _Scratch:
     """One stored page's bytes (`row`: the page, then its tag) and the page as a tensor in
     canonical order over them (`page`), made once per batch of reads."""
 
-    def __init__(self, row_bytes: int, page: PageFormat) -> None:
-        self.row = np.empty(row_bytes, dtype=np.uint8)
+    def __init__(self, page: PageFormat) -> None:
+        self.row = np.empty(page.nbytes + TAG_BYTES, dtype=np.uint8)
         self.page = torch.from_numpy(self.row[: page.nbytes]).view(page.dtype).view(page.shape)
 
 
