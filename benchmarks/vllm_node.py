@@ -153,27 +153,54 @@ def main() -> None:
     parser.add_argument("--host-mib", type=int, default=96, help="host memory in all")
     parser.add_argument("--busy-poll-us", type=int, default=200, help="the daemon's poll")
     parser.add_argument("--node-poll-us", type=int, default=300, help="each client's poll")
+    parser.add_argument(
+        "--rows", default="own,node",
+        help="which rows, in order, comma-separated (own: a cache per engine; node: the daemon); "
+        "a row named twice runs twice (run order and a noisy machine, side by side)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--omp-bind", default=None,
+        help="VLLM_CPU_OMP_THREADS_BIND for the engines (e.g. 0: their threads on CPU 0), so "
+        "that the daemon's CPU (--daemon-cpus) is not also theirs, as on a node with spare cores",
+    )  # fmt: skip
+    parser.add_argument("--daemon-cpus", default=None, help="CPUs of the daemon, e.g. 1 or 1-3")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # (a child: one engine)
     args = parser.parse_args()
+    rows = args.rows.split(",")
+    if not rows or any(row not in ("own", "node") for row in rows):
+        parser.error(f"--rows={args.rows!r} is invalid: must name own and node rows")
+    if args.omp_bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind  # (inherited by the engines)
     if args.engine:
         engine_loop(json.loads(args.engine))
         return
+    results: list[tuple[str, dict[str, Any]]] = []
     work = Path(tempfile.mkdtemp(prefix="kvpool-vllm-node-"))
     directory = socket_dir()
     try:
         make_model(work / "model")
         model = str(work / "model")
         share = (args.host_mib // args.engines) << 20
-        own = run(args, model, [{"host_bytes": share}] * args.engines)
-        daemon = Daemon(
-            f"{directory}/kvpool.sock",
-            *("--host-bytes", f"{args.host_mib}MiB", "--busy-poll-us", str(args.busy_poll_us)),
-        ).start()
-        try:
-            client = {"node_cache": f"unix://{daemon.socket}", "node_poll_us": args.node_poll_us}
-            node = run(args, model, [client] * args.engines)
-        finally:
-            daemon.stop()
+        for kind in rows:
+            if kind == "own":
+                results.append((kind, run(args, model, [{"host_bytes": share}] * args.engines)))
+                continue
+            daemon = Daemon(
+                f"{directory}/kvpool.sock",
+                *("--host-bytes", f"{args.host_mib}MiB", "--busy-poll-us", str(args.busy_poll_us)),
+            ).start()
+            try:
+                if args.daemon_cpus is not None:
+                    assert daemon.process is not None
+                    for task in os.listdir(f"/proc/{daemon.process.pid}/task"):  # (threads too)
+                        os.sched_setaffinity(int(task), cpu_set(args.daemon_cpus))
+                client = {
+                    "node_cache": f"unix://{daemon.socket}",
+                    "node_poll_us": args.node_poll_us,
+                }
+                results.append((kind, run(args, model, [client] * args.engines)))
+            finally:
+                daemon.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(directory, ignore_errors=True)
@@ -183,13 +210,34 @@ def main() -> None:
     )
     print("| caches | prompt tokens from cache | time to first token, median |")
     print("|---|---|---|")
-    for name, row in ((f"kvpool per engine ({args.host_mib // args.engines} MiB each)", own),
-                      (f"one node daemon ({args.host_mib} MiB)", node)):  # fmt: skip
+    names = {"own": f"kvpool per engine ({args.host_mib // args.engines} MiB each)",
+             "node": f"one node daemon ({args.host_mib} MiB)"}  # fmt: skip
+    for kind, row in results:
         share_of = row["cached"] / row["prompt_tokens"]
-        print(f"| {name} | {row['cached']:,} ({share_of:.0%}) | {row['ttft_median_ms']:.1f} ms |")
-    print(f"hit tokens: daemon / per engine {node['cached'] / max(own['cached'], 1):.2f}x; "
-          f"TTFT median {node['ttft_median_ms'] / own['ttft_median_ms']:.2f}x; "
-          f"same tokens: {node['outputs'] == own['outputs']}")  # fmt: skip
+        print(f"| {names[kind]} | {row['cached']:,} ({share_of:.0%}) | "
+              f"{row['ttft_median_ms']:.1f} ms |")  # fmt: skip
+    own = [row for kind, row in results if kind == "own"]
+    node = [row for kind, row in results if kind == "node"]
+    if own and node:
+        hits = statistics.mean(r["cached"] for r in node) / max(
+            statistics.mean(r["cached"] for r in own), 1
+        )
+        ttft = statistics.median(r["ttft_median_ms"] for r in node) / statistics.median(
+            r["ttft_median_ms"] for r in own
+        )
+        print(f"hit tokens: daemon / per engine {hits:.2f}x; TTFT median {ttft:.2f}x "
+              "(medians of the rows)")  # fmt: skip
+    same = all(row["outputs"] == results[0][1]["outputs"] for _, row in results)
+    print(f"same tokens in every row: {same}")
+
+
+def cpu_set(text: str) -> set[int]:
+    """CPUs named like taskset's lists: "1", "1-3", "0,2"."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 if __name__ == "__main__":
