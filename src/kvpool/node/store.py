@@ -128,7 +128,7 @@ class LocalStore:
         if cache.num_committed_tokens < bs:
             cache.close()
             return Outcome.MISS
-        tiers = self._tiers_of(cache)
+        tiers = self._tiers_of(cache) if self.reads else []  # (one level: "host" below)
         try:
             resumed = cache.resume()
         except (KVPoolError, OSError) as error:  # a read failed: a miss, not an engine error
@@ -140,7 +140,7 @@ class LocalStore:
             cache.close()
             return Outcome.MISS
         blocks = served // bs
-        tiers += ["remote"] * (blocks - len(tiers))
+        tiers += ["remote" if self.reads else "host"] * (blocks - len(tiers))
         slots = [self._slots(cache, g, 0, blocks) for g in range(self.num_layer_groups)]
         return Hit(cache, served, slots, tiers[:blocks])
 
