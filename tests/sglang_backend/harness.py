@@ -225,22 +225,25 @@ class Engine:
 
     # -- a hybrid model's nodes, as UnifiedRadixCache writes and prefetches them ---------------
 
-    def write_node(self, tokens: list[int], start: int, end: int) -> dict[str, Any]:
+    def write_node(
+        self, tokens: list[int], start: int, end: int, pools: tuple[str, ...] = ("mamba", "swa")
+    ) -> dict[str, Any]:
         """Write pages [start, end) of `tokens` as one node: its KV pages, its Mamba state
-        (keyed by its last page) and its SWA window (its last `SWA_WINDOW` pages), each filled
-        with bytes that are a function of the key. Returns the backup's per-pool result."""
+        (keyed by its last page) and its SWA window (its last `SWA_WINDOW` pages), of the
+        engine's pools that are in `pools`, each filled with bytes that are a function of the
+        key. Returns the backup's per-pool result."""
         hashes = self.hashes(tokens[: end * PAGE])[start:end]
         indices = self.host.alloc((end - start) * PAGE)
         assert indices is not None, "host pool full"
         fill_pages(self)(indices, hashes)
         extra, frees = [], []
-        if self.mamba is not None:
+        if self.mamba is not None and "mamba" in pools:
             slot = self.mamba.alloc(1)
             fill_state(self.mamba, int(slot[0]), hashes[-1])
             extra.append(PoolTransfer(PoolName.MAMBA, host_indices=slot, keys=[hashes[-1]],
                                       hit_policy=PoolHitPolicy.TRAILING_PAGES))  # fmt: skip
             frees.append((self.mamba, slot))
-        if self.swa is not None:
+        if self.swa is not None and "swa" in pools:
             window = hashes[-SWA_WINDOW:]
             slots = self.swa.host.alloc(len(window) * PAGE)
             fill_pages(self.swa)(slots, window)

@@ -197,6 +197,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         kind = type(host_pool).__name__
         if name == KV and KV in self.pools and self.pools[KV].host_pool is host_pool:
             return
+        if name != KV and name not in EXTRA_POOLS:
+            raise ConfigError(
+                f"host pool {name} ({kind}) is not supported: kvpool's SGLang backend stores "
+                f"the pools {[KV, *EXTRA_POOLS]} (KV, sliding-window KV, Mamba state)"
+            )
         if self._built:
             raise ConfigError(
                 f"host pool {name} ({kind}) is registered after on_host_pools_registered: "
@@ -210,11 +215,6 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 )
             self.register_mem_pool_host(host_pool)
             return
-        if name not in EXTRA_POOLS:
-            raise ConfigError(
-                f"host pool {name} ({kind}) is not supported: kvpool's SGLang backend stores "
-                f"the pools {[KV, *EXTRA_POOLS]} (KV, sliding-window KV, Mamba state)"
-            )
         if name in self.pools:
             raise ConfigError(f"host pool {name} ({kind}) is registered twice")
         try:
