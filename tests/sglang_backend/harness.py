@@ -95,9 +95,9 @@ def mamba_host_pool(layout: str) -> Any:
 class SwaPool:
     """The SWA pool of a hybrid engine, for `fill_pages`/`check_pages` (its own layers)."""
 
-    def __init__(self, kind: str, layout: str, host: Any):
+    def __init__(self, kind: str, layout: str, host: Any, layers: int):
         self.kind, self.layout, self.host, self.layers, self.salt = (
-            kind, layout, host, SWA_LAYERS, "swa|"
+            kind, layout, host, layers, "swa|"
         )  # fmt: skip
 
 
@@ -139,6 +139,7 @@ class Engine:
         model_name: str = "kvpool-test-model",
         pools: tuple[str, ...] = (),
         hybrid: bool = False,
+        swa_layers: int = SWA_LAYERS,
     ):
         self.kind, self.layout, self.pools = kind, layout, pools
         single_rank()
@@ -163,8 +164,8 @@ class Engine:
         else:
             entries = [PoolEntry(PoolName.KV, self.host, self.device, lambda i: i, True)]
             if "swa" in pools:
-                swa_device = device_pool(kind, SWA_LAYERS)
-                self.swa = SwaPool(kind, layout, host_pool(kind, layout, swa_device))
+                swa_device = device_pool(kind, swa_layers)  # (LAYERS: pages as big as KV's)
+                self.swa = SwaPool(kind, layout, host_pool(kind, layout, swa_device), swa_layers)
                 entries.append(PoolEntry(PoolName.SWA, self.swa.host, swa_device, lambda i: i))
             if "mamba" in pools:
                 self.mamba = mamba_host_pool(layout)
@@ -426,6 +427,7 @@ def main(argv: list[str]) -> None:
         "action", choices=["write", "read", "write-forever", "write-hybrid", "read-hybrid"]
     )
     parser.add_argument("--pools", default="", help="a hybrid engine's extra pools: mamba,swa")
+    parser.add_argument("--swa-layers", type=int, default=SWA_LAYERS)
     parser.add_argument("--kind", default="mha")
     parser.add_argument("--layout", default="page_first")
     parser.add_argument("--extra", default="{}")
@@ -434,7 +436,7 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     pools = tuple(p for p in args.pools.split(",") if p)
     engine = Engine(args.kind, args.layout, json.loads(args.extra), pools=pools,
-                    hybrid="hybrid" in args.action)  # fmt: skip
+                    hybrid="hybrid" in args.action, swa_layers=args.swa_layers)  # fmt: skip
     report: dict[str, Any] = {}
     if args.action == "write":
         for p in range(args.prompts):

@@ -15,7 +15,9 @@ torch = pytest.importorskip("torch")
 
 from kvpool.errors import ConfigError  # noqa: E402
 from tests.sglang_backend.harness import (  # noqa: E402
+    LAYERS,
     PAGE,
+    SWA_LAYERS,
     SWA_WINDOW,
     Engine,
     check_state,
@@ -41,8 +43,8 @@ def valkey(tmp_path):
     server.stop()
 
 
-def hybrid(layout: str, extra: dict, pools: tuple[str, ...] = POOLS) -> Engine:
-    return Engine("mha", layout, {"staging_bytes": 8 * MiB, **extra}, pools=pools)
+def hybrid(layout: str, extra: dict, pools: tuple[str, ...] = POOLS, **kwargs) -> Engine:
+    return Engine("mha", layout, {"staging_bytes": 8 * MiB, **extra}, pools=pools, **kwargs)
 
 
 def write(engine: Engine, count: int = PROMPTS) -> None:
@@ -54,11 +56,11 @@ def write(engine: Engine, count: int = PROMPTS) -> None:
         assert second == {"kv_tokens": (PAGES - SPLIT) * PAGE, "mamba": 1, "swa": SWA_WINDOW}
 
 
-def read_elsewhere(layout: str, extra: dict) -> dict:
+def read_elsewhere(layout: str, extra: dict, swa_layers: int = SWA_LAYERS) -> dict:
     extra = {"staging_bytes": 8 * MiB, **extra}
     return run_harness("read-hybrid", "--layout", layout, "--pools", ",".join(POOLS),
                        "--extra", json.dumps(extra), "--prompts", str(PROMPTS),
-                       "--pages", str(PAGES))  # fmt: skip
+                       "--pages", str(PAGES), "--swa-layers", str(swa_layers))  # fmt: skip
 
 
 def whole(read: dict, pages: int = PAGES) -> None:
@@ -86,12 +88,15 @@ def test_a_second_process_reads_a_hybrid_models_pages_from_disk(tmp_path):
     assert len(list(tmp_path.glob("kvpool-sglang-*"))) == 3  # (a disk level per pool)
 
 
-def test_a_second_process_reads_a_hybrid_models_pages_from_valkey(valkey):
+@pytest.mark.parametrize("swa_layers", [SWA_LAYERS, LAYERS])
+def test_a_second_process_reads_a_hybrid_models_pages_from_valkey(valkey, swa_layers):
+    """With as many SWA layers as KV layers, an SWA page and a KV page have the same size and
+    the same SGLang key: only the pool's name in kvpool's keys tells them apart."""
     extra = {"remote_url": valkey.url}
-    writer = hybrid("page_first_direct", extra)
+    writer = hybrid("page_first_direct", extra, swa_layers=swa_layers)
     write(writer)
     writer.close()  # (flushes the remote writes)
-    got = read_elsewhere("layer_first", extra)
+    got = read_elsewhere("layer_first", extra, swa_layers)
     for read in got["reads"]:
         whole(read)
     assert got["stats"]["hit_pages_by_tier"] == {"remote": PROMPTS * PAGES}
