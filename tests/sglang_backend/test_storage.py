@@ -26,6 +26,7 @@ from tests.sglang_backend.harness import (  # noqa: E402
     check_pages,
     fill_pages,
     prompt,
+    stored_rows,
 )
 from tests.valkey_servers import ValkeyServer, server_binary  # noqa: E402
 
@@ -165,15 +166,7 @@ def test_a_page_on_the_disk_level_is_read_where_it_lies(tmp_path):
 def test_a_page_stored_under_another_key_is_a_miss():
     engine = Engine("mha", "layer_first", {"staging_bytes": 2 * MiB})
     keys = engine.write(prompt(0, 2), fill_pages(engine))
-    manager = engine.backend.manager
-    manager.transfer_to_current_thread()  # (the controller's threads drove it so far)
-    view = manager.page_view(0, "page")
-    rows = []
-    for key in keys:  # (the rows the two pages live in)
-        cache = manager.create_kv_cache(engine.backend._scope, [engine.backend._token(key)])
-        assert cache.resume()
-        rows.append(int(cache.get_page_indices(0, "page")[0]))
-        cache.close()
+    view, rows = stored_rows(engine.backend, "kv", keys)  # (the rows the two pages live in)
     first = view[rows[0]].copy()
     view[rows[0]] = view[rows[1]]
     view[rows[1]] = first
@@ -391,6 +384,7 @@ def test_ranks_of_one_server_share_a_disk_path(tmp_path):
         )  # fmt: skip
         storage = KVPoolHiCacheStorage(config, {})
         storage.register_mem_pool_host(host_pool("mha", "page_first", device_pool("mha")))
+        storage.on_host_pools_registered()  # (as SGLang does: the manager is built)
         backends.append(storage)  # (a second manager on one directory would be refused)
     assert len({str(b.manager.disk_recovery.path) for b in backends}) == 4
     for storage in backends:

@@ -48,6 +48,14 @@ def rank_shard(storage_config: Any) -> Shard:
     return Shard(index, f"tp{tp_rank}of{tp_size}-cp{cp_rank}of{cp_size}")
 
 
+def state_shard(storage_config: Any) -> Shard:
+    """A Mamba state pool's shard: its state is split over tensor-parallel ranks even when the
+    model's KV is MLA (the same on every rank)."""
+    tp_rank, tp_size = int(storage_config.tp_rank), int(storage_config.tp_size)
+    cp_rank, cp_size = int(storage_config.attn_cp_rank), int(storage_config.attn_cp_size)
+    return Shard(cp_rank * tp_size + tp_rank, f"tp{tp_rank}of{tp_size}-cp{cp_rank}of{cp_size}")
+
+
 def sglang_identity(storage_config: Any, page: PageFormat, model_id: str | None) -> ModelIdentity:
     """The identity of the model this SGLang process computes with: `model_id` if given; else
     the model's config and weights when SGLang's model name is a local directory; else the
@@ -81,4 +89,4 @@ def sglang_identity(storage_config: Any, page: PageFormat, model_id: str | None)
     return model_identity(config, weights, **parts)
 
 
-__all__ = ["Shard", "rank_shard", "sglang_identity"]
+__all__ = ["Shard", "rank_shard", "sglang_identity", "state_shard"]

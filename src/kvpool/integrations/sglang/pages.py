@@ -14,6 +14,16 @@ one layout is read by a process with another:
 order (SGLang's own `get_data_page(index, flat=False)`, permuted): copies go straight between
 it and kvpool's page, no intermediate tensor. After the KV bytes, each stored page carries a
 tag of `TAG_BYTES` naming its key (see `backend.py`).
+
+A hybrid model's extra pools (SGLang's `_v2` interface) are stored the same way, one value per
+page key and pool:
+
+- SWA (`swa`): an `MHATokenToKVPoolHost`/`MLATokenToKVPoolHost` of its own (the sliding-window
+  layers), pages as above;
+- Mamba state (`mamba`, `MambaPoolHost`): one state slot per key (its page size is 1), the
+  bytes of its tensors in SGLang's own order (temporal state, each conv state, side states:
+  `get_data_page(i, flat=True)`), copied straight between views of the slot and the page
+  (`StateFormat`).
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from kvpool.errors import ConfigError
 
@@ -31,6 +43,7 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 # stores something else: asymmetric K/V widths, FP8 scales, sparse pages, indexer buffers).
 MHA_POOL = "MHATokenToKVPoolHost"
 MLA_POOL = "MLATokenToKVPoolHost"
+MAMBA_POOL = "MambaPoolHost"
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,24 @@ class PageFormat:
         """A page in the layout's own order (or flat, as SGLang's flat data pages are), as a
         view in canonical order."""
         return _PERMUTE[(self.kind, self.layout)](page.view(self.native_shape))
+
+    # (the interface `backend.py` copies through, shared with `StateFormat`)
+
+    def target(self, host_pool: Any, index: int) -> Any:
+        """Where page `index` of `host_pool` is read from and written to."""
+        return self.canonical(host_pool, index)
+
+    def stored(self, row: Any) -> Any:
+        """The page's bytes in a stored row (a uint8 array) as a tensor in canonical order."""
+        return torch.from_numpy(row[: self.nbytes]).view(self.dtype).view(self.shape)
+
+    def take(self, stored: Any, source: Any) -> None:
+        """Copy a host page (`target`) into a stored page (`stored`)."""
+        stored.copy_(source)
+
+    def put(self, target: Any, stored: Any) -> None:
+        """Copy a stored page into a host page."""
+        target.copy_(stored)
 
 
 _PERMUTE: dict[tuple[str, str], Callable[[Any], Any]] = {
@@ -127,4 +158,87 @@ def page_format(host_pool: Any) -> PageFormat:
     return found
 
 
-__all__ = ["LAYOUTS", "TAG_BYTES", "PageFormat", "page_format"]
+@dataclass(frozen=True)
+class StateFormat:
+    """One state slot of SGLang's `MambaPoolHost`: the bytes of its tensors, in SGLang's own
+    order (`MambaPoolHost._iter_page_tensors`: temporal, each conv, side states), whatever the
+    layout (both of its layouts keep a slot's tensors contiguous)."""
+
+    kind: str
+    layout: str
+    page_size: int  # host slots per key (1)
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    nbytes: int
+
+    def identity_parts(self) -> dict[str, object]:
+        return {
+            "sglang.kind": self.kind,
+            "sglang.state_shapes": self.shapes,
+            "sglang.state_dtypes": self.dtypes,
+        }
+
+    def target(self, host_pool: Any, index: int) -> list[Any]:
+        """Slot `index` of `host_pool` as byte views of its tensors (no copy)."""
+        return [_bytes_view(t) for t in host_pool._iter_page_tensors(index)]
+
+    def stored(self, row: Any) -> Any:
+        return torch.from_numpy(row[: self.nbytes])
+
+    def take(self, stored: Any, source: list[Any]) -> None:
+        start = 0
+        for part in source:
+            stored[start : start + part.numel()].copy_(part)
+            start += part.numel()
+
+    def put(self, target: list[Any], stored: Any) -> None:
+        start = 0
+        for part in target:
+            part.copy_(stored[start : start + part.numel()])
+            start += part.numel()
+
+
+def _bytes_view(tensor: Any) -> Any:
+    """A contiguous tensor's memory as a flat uint8 view."""
+    if tensor.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def state_format(host_pool: Any) -> StateFormat:
+    """The slot format of SGLang's `MambaPoolHost`; `ConfigError` naming what is not
+    supported (a slot whose tensors are not contiguous views of the pool's buffers)."""
+    name = type(host_pool).__name__
+    if name != MAMBA_POOL:
+        raise ConfigError(f"{name} is not {MAMBA_POOL}")
+    layout = str(host_pool.layout)
+    page_size = int(host_pool.page_size)
+    parts = list(host_pool._iter_page_tensors(0))
+    buffers = {b.untyped_storage().data_ptr() for b in host_pool.get_hybrid_pool_buffer()}
+    if page_size != 1 or any(
+        not p.is_contiguous() or (p.numel() and p.untyped_storage().data_ptr() not in buffers)
+        for p in parts
+    ):
+        raise ConfigError(
+            f"{name} ({layout}): its slots are not contiguous views of its buffers (page size "
+            f"{page_size}); this SGLang release stores Mamba states differently"
+        )
+    nbytes = sum(p.numel() * p.element_size() for p in parts)
+    if nbytes != int(host_pool.size_per_token):
+        raise ConfigError(
+            f"{name}: a slot's tensors hold {nbytes} bytes, not size_per_token="
+            f"{host_pool.size_per_token}; this SGLang release stores Mamba states differently"
+        )
+    shapes = tuple(tuple(int(d) for d in p.shape) for p in parts)
+    dtypes = tuple(str(p.dtype) for p in parts)
+    return StateFormat("mamba", layout, page_size, shapes, dtypes, nbytes)
+
+
+__all__ = [
+    "LAYOUTS",
+    "TAG_BYTES",
+    "PageFormat",
+    "StateFormat",
+    "page_format",
+    "state_format",
+]

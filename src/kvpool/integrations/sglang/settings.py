@@ -13,6 +13,7 @@ key before anything is built.
 | `eviction_policy` | `hazard`, `lru` or `lfu` | `hazard` |
 | `model_id` | the model's identity in keys, in place of the one computed from SGLang's model path (its config and weights when it is a local directory) | computed |
 | `timeout_ms` | how long a call waits for another thread's call on the backend (past it: a miss, or a write not done) | 5000 |
+| `pool_shares` | a hybrid model's pools (`kv`, and `swa` or `mamba`) each have levels of their own: the share of `staging_bytes`, `host_bytes` and `disk_bytes` each pool gets, as relative weights naming every pool (`{"kv": 3, "mamba": 1}`) | in proportion to one stored page of each pool (each pool holds as many pages) |
 
 SGLang's own keys (`backend_name`, `module_path`, `class_name`, `interface_v1`) are left alone.
 """
@@ -45,6 +46,7 @@ KEYS = (
     "eviction_policy",
     "model_id",
     "timeout_ms",
+    "pool_shares",
 )
 
 
@@ -63,6 +65,7 @@ class BackendSettings:
     eviction_policy: str = EVICTION_POLICIES[0]
     model_id: str | None = None
     timeout_ms: int = 5000
+    pool_shares: tuple[tuple[str, float], ...] | None = None  # (checked against the pools later)
 
     @classmethod
     def parse(cls, extra: object) -> BackendSettings:
@@ -91,6 +94,15 @@ class BackendSettings:
         model_id = _str(extra, "model_id", None)
         if model_id is not None and not model_id.strip():
             _fail("model_id", model_id, "a non-empty string")
+        shares = extra.get("pool_shares")
+        if shares is not None and (
+            not isinstance(shares, dict)
+            or not shares
+            or not all(
+                isinstance(k, str) and type(v) in (int, float) and v > 0 for k, v in shares.items()
+            )
+        ):
+            _fail("pool_shares", shares, 'a dict of pool names to weights > 0 ({"kv": 3, ...})')
         settings = cls(
             staging_bytes=_int(extra, "staging_bytes", 256 * MiB, 1),
             host_bytes=_int(extra, "host_bytes", 0, 0),
@@ -103,6 +115,9 @@ class BackendSettings:
             eviction_policy=str(policy),
             model_id=model_id,
             timeout_ms=_int(extra, "timeout_ms", 5000, 1),
+            pool_shares=None
+            if shares is None
+            else tuple(sorted((str(k), float(v)) for k, v in shares.items())),
         )
         if settings.remote_url is not None:
             try:
