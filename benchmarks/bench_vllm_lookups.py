@@ -16,6 +16,12 @@ scheduler step (`Scheduler.schedule`, timed in the engine core by a `sitecustomi
 p50 and p99 over the measured phase's steps that ran requests, and the number of empty steps
 (vLLM's engine loop steps again at once while a request waits: the connector pauses them). Every row's tokens are checked equal to the first row's.
 
+A second table: the CPU seconds each part used over each row's measured phase (the server's
+engine core and worker processes, its API server, the valkey-server, the delaying proxy's
+thread in this process, and every other process of the machine): on a small machine the
+proxy and the server compete with vLLM for the cores, and so does anyone else's work (a
+row whose "others" column is large was measured on a busy machine).
+
 Run (in the venv scripts/vllm_venv.sh makes):
     build/vllm-venv/bin/python benchmarks/bench_vllm_lookups.py [--requests 60] [--delay-ms 100]
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import random
 import statistics
@@ -31,6 +38,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -83,7 +92,40 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_row(name, extra, model, workload, warm, rate, log_dir) -> dict:
+CPU_PARTS = ("engine core", "workers", "API server", "valkey", "proxy", "others")
+
+
+def cpu_seconds(server, valkey_pid: int, proxy_tid: int) -> dict[str, float]:
+    """CPU seconds used so far by each part (`CPU_PARTS`; others: the machine's busy time
+    less the parts')."""
+
+    def used(process: psutil.Process) -> float:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            return times.user + times.system
+        return 0.0
+
+    found = dict.fromkeys(CPU_PARTS, 0.0)
+    for process in server.tree():
+        name = process.name()
+        part = "API server" if process.pid == server.process.pid else "others"
+        if "EngineCore" in name:
+            part = "engine core"
+        elif "Worker" in name:
+            part = "workers"
+        found[part] += used(process)
+    found["valkey"] = used(psutil.Process(valkey_pid))
+    for thread in psutil.Process().threads():
+        if thread.id == proxy_tid:
+            found["proxy"] = thread.user_time + thread.system_time
+    machine = psutil.cpu_times()
+    found["others"] += (
+        machine.user + machine.nice + machine.system + machine.irq + machine.softirq
+    ) - sum(found.values())
+    return found
+
+
+def run_row(name, extra, model, workload, warm, rate, log_dir, watch) -> dict:
     options = ("--num-gpu-blocks-override", "96")
     hook = log_dir / "hook"
     hook.mkdir(exist_ok=True)
@@ -100,6 +142,7 @@ def run_row(name, extra, model, workload, warm, rate, log_dir) -> dict:
         server.complete([1998] * 40)  # (the step after the last finish copies its blocks)
         measured_from = len(steps.read_text().splitlines()) if steps.exists() else 0
         results: list[tuple[str, float, list[int]] | None] = [None] * len(workload)
+        cpu_before = cpu_seconds(server, *watch)
 
         def send(i: int) -> None:
             kind, prompt = workload[i]
@@ -113,6 +156,7 @@ def run_row(name, extra, model, workload, warm, rate, log_dir) -> dict:
                 time.sleep(1 / rate)
             for future in futures:
                 future.result()
+        cpu_after = cpu_seconds(server, *watch)
     finally:
         server.stop()
     done = [r for r in results if r is not None]
@@ -121,6 +165,7 @@ def run_row(name, extra, model, workload, warm, rate, log_dir) -> dict:
     busy = [float(t) for t, tokens in lines if int(tokens) > 0]  # (steps that ran requests)
     row["step"] = (statistics.median(busy), percentile(busy, 0.99))
     row["empty_steps"] = sum(int(tokens) == 0 for _, tokens in lines)
+    row["cpu"] = {part: cpu_after[part] - cpu_before[part] for part in CPU_PARTS}
     for kind in ("local", "remote"):
         times = [r[1] for r in done if r[0] == kind]
         row[kind] = (statistics.median(times), percentile(times, 0.99))
@@ -175,8 +220,10 @@ def main() -> None:
                          {**base, "remote_url": delayed, "async_lookups": False}),
                 "async": ("remote, asynchronous lookups", {**base, "remote_url": delayed}),
             }  # fmt: skip
+            assert valkey.process is not None and proxy._thread is not None
+            watch = (valkey.process.pid, proxy._thread.native_id)
             rows = [
-                run_row(*kinds[kind], model, workload, local_prompts, args.rate, tmp_path)
+                run_row(*kinds[kind], model, workload, local_prompts, args.rate, tmp_path, watch)
                 for kind in args.rows.split(",")
             ]
         finally:
@@ -199,6 +246,11 @@ def main() -> None:
             f"{remote[0] * 1e3:.0f} | {remote[1] * 1e3:.0f} | {local[1] / reference:.2f} | "
             f"{step[0] * 1e3:.2f} | {step[1] * 1e3:.1f} | {row['empty_steps']:,} |"
         )
+    print("\nCPU seconds over each row's measured phase\n")
+    print("| row | " + " | ".join(CPU_PARTS) + " |")
+    print("|---" * (len(CPU_PARTS) + 1) + "|")
+    for row in rows:
+        print(f"| {row['name']} | " + " | ".join(f"{row['cpu'][p]:.2f}" for p in CPU_PARTS) + " |")
     same = all(row["tokens"] == rows[0]["tokens"] for row in rows)
     print(f"\ntokens equal in every row: {same}")
     if not same:

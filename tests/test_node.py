@@ -85,6 +85,21 @@ def test_a_prefix_one_engine_saved_is_read_by_another_from_the_daemons_memory(da
     assert node["manager_hit_tokens_by_level"][0] == len(TOKENS)
 
 
+def test_an_engines_idle_pause_is_short_and_ends_on_its_input(daemon):
+    """The daemon's look-aheads are not seen from an engine: its pause of an empty step lasts
+    at most IDLE_S whatever it is offered (a longer one would only answer a ready lookup
+    later), and ends at once when the engine has input."""
+    from kvpool.node.client import IDLE_S
+
+    engine = client(daemon.socket)
+    started = time.perf_counter()
+    engine.idle(30.0)
+    assert IDLE_S * 0.9 <= time.perf_counter() - started < 5
+    asked = []
+    engine.idle(30.0, lambda: not asked.append(1))  # (input waiting: no sleep at all)
+    assert asked == [1]
+
+
 def test_an_engine_of_another_layout_is_refused_naming_the_difference(daemon):
     client(daemon.socket)  # (the first engine sets the layout)
     other = [p.Layer(0, [("k", 1024), ("v", 1024)]), LAYERS[1]]

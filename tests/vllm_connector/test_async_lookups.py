@@ -6,6 +6,8 @@ cancels its lookup; a server that fails costs hits, never an answer."""
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from types import SimpleNamespace
 
@@ -13,7 +15,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (scripts/test.sh runs this in its vLLM venv)")
 
-from kvpool.integrations.vllm.scheduler import IDLE_WAIT_S, SchedulerSide
+from kvpool.integrations.vllm import scheduler as scheduler_module
+from kvpool.integrations.vllm.scheduler import IDLE_WAIT_S, IDLE_WAIT_WATCHED_S, SchedulerSide
 from kvpool.integrations.vllm.scoping import reuse_scope
 from kvpool.integrations.vllm.settings import (
     ConnectorSettings,
@@ -131,6 +134,62 @@ def test_an_empty_step_pauses_for_a_waiting_lookup_instead_of_spinning(server):
     started = time.perf_counter()
     assert side.lookups.wait_any(30)  # (returns when the lookup is ready, not at the limit)
     assert time.perf_counter() - started < 20
+    assert side.get_num_new_matched_tokens(remote, 0) == (4 * BLOCK, True)
+    side.loads.pop("r-remote").cache.close()
+    side.shutdown()
+
+
+class EngineCore:
+    """Stands for vLLM's engine core (`EngineCoreProc`): its steps run the connector's
+    scheduler side, and requests arrive on its input queue meanwhile."""
+
+    def __init__(self, side: SchedulerSide) -> None:
+        self.input_queue: queue.Queue[tuple[str, object]] = queue.Queue()
+        self.side = side
+
+    def step(self, output: object) -> None:
+        self.side.build_connector_meta(output)
+
+
+def test_an_empty_step_in_an_engine_core_pauses_until_a_request_arrives(server, monkeypatch):
+    """Inside vLLM's engine core (its input queue seen), an empty step with a lookup waiting
+    pauses longer (IDLE_WAIT_WATCHED_S: fewer empty steps, each a call to every worker), and
+    the engine's input ends the pause: a request arriving meanwhile is not held by it."""
+    writer = scheduler_for(server.url)
+    remote = Request("r-remote", prompt(1, 4))
+    commit(writer, remote, 4)
+    assert writer.manager.flush_remote_writes(10)
+    writer.shutdown()
+
+    side = scheduler_for(server.url)
+    engine = EngineCore(side)
+    empty = SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})
+    server.pause()
+    try:
+        assert side.get_num_new_matched_tokens(remote, 0) == (None, False)
+        started = time.perf_counter()
+        engine.step(empty)
+        assert time.perf_counter() - started >= IDLE_WAIT_WATCHED_S * 0.9
+        engine.input_queue.put(("add", "r-local"))  # (waiting already: no pause)
+        started = time.perf_counter()
+        engine.step(empty)
+        assert time.perf_counter() - started < IDLE_WAIT_WATCHED_S * 0.9
+        engine.input_queue.get()
+        monkeypatch.setattr(scheduler_module, "IDLE_WAIT_WATCHED_S", 30.0)
+        arrival = threading.Timer(0.05, engine.input_queue.put, [("add", "r-local")])
+        arrival.start()  # (a request arriving during the pause ends it)
+        started = time.perf_counter()
+        engine.step(empty)
+        assert time.perf_counter() - started < 10
+        assert not engine.input_queue.empty()
+        assert side.counters.idle_waits == 3
+    finally:
+        server.unpause()
+    assert side.lookups.wait_any(30)
+    started = time.perf_counter()
+    engine.input_queue.get()
+    engine.step(empty)  # (a lookup ready: no pause; the request's answer is on its next ask)
+    assert time.perf_counter() - started < 10
     assert side.get_num_new_matched_tokens(remote, 0) == (4 * BLOCK, True)
     side.loads.pop("r-remote").cache.close()
     side.shutdown()

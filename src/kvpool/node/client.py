@@ -36,6 +36,7 @@ from kvpool.node.store import Hit, Outcome, SavePlan
 from kvpool.tokens import Token
 
 log = logging.getLogger("kvpool.node")
+IDLE_S = 0.002  # the longest pause of an empty step while this engine's lookups wait
 
 
 @dataclass
@@ -217,10 +218,15 @@ class NodeClient:
         if self._conn is not None:
             self._call(p.Cancel(key))
 
-    def idle(self, timeout_s: float) -> None:
+    def idle(self, timeout_s: float, wake: Callable[[], bool] | None = None) -> None:
         """(The daemon's look-aheads are not seen from here: a pause in place of a step that
-        would ask the daemon again at once.)"""
-        time.sleep(timeout_s)
+        would ask the daemon again at once, of at most `IDLE_S`, since a longer one would
+        only answer a ready lookup later.)"""
+        deadline = time.monotonic() + min(timeout_s, IDLE_S)
+        while (left := deadline - time.monotonic()) > 0:
+            if wake is not None and wake():
+                return
+            time.sleep(min(0.0002, left))
 
     def plan_save(self, scope: ReuseScope | None, tokens: Sequence[Token]) -> SavePlan | Outcome:
         lora, salt = _scope(scope)

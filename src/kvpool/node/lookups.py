@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.lookahead import Lookahead
@@ -51,12 +52,20 @@ class AsyncLookups:
         del self._waiting[request_id]
         return Answer.READY, lookahead
 
-    def wait_any(self, timeout_s: float, every_s: float = 0.0002) -> bool:
-        """Sleep until a waiting lookup is ready, at most `timeout_s` (True: one is)."""
+    def wait_any(
+        self,
+        timeout_s: float,
+        every_s: float = 0.0002,
+        wake: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Sleep until a waiting lookup is ready (True), `wake()` is true or `timeout_s`
+        passed (False)."""
         deadline = time.monotonic() + timeout_s
         while True:
             if any(lookahead.ready for lookahead in self._waiting.values()):
                 return True
+            if wake is not None and wake():
+                return False
             left = deadline - time.monotonic()
             if left <= 0:
                 return False

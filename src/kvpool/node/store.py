@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvpool.config import ReuseScope
@@ -66,9 +66,9 @@ class Store(Protocol):
 
     def cancel(self, key: str) -> None: ...
 
-    def idle(self, timeout_s: float) -> None:
+    def idle(self, timeout_s: float, wake: Callable[[], bool] | None = None) -> None:
         """The engine has nothing to run until a waiting lookup is ready: return when one is,
-        or after `timeout_s`."""
+        when `wake()` is true (the engine has new input), or after `timeout_s`."""
         ...
 
     def plan_save(
@@ -166,8 +166,8 @@ class LocalStore:
         """The lookup's request went away: drop its look-ahead."""
         self.lookups.cancel(key)
 
-    def idle(self, timeout_s: float) -> None:
-        self.lookups.wait_any(timeout_s)
+    def idle(self, timeout_s: float, wake: Callable[[], bool] | None = None) -> None:
+        self.lookups.wait_any(timeout_s, wake=wake)
 
     def plan_save(self, scope: ReuseScope | None, tokens: Sequence[Token]) -> SavePlan | Outcome:
         """A request for `tokens` (whole blocks) whose history is at their end, with new pages
