@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import random
 import shutil
 import statistics
@@ -31,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
-from tests.node_helpers import BLOCK, Daemon, client, hello, socket_dir  # noqa: E402
+from tests.node_helpers import BLOCK, Daemon, client, hello, pin, socket_dir  # noqa: E402
 
 from kvpool.manager import KVCacheManager  # noqa: E402
 from kvpool.node.settings import DaemonSettings  # noqa: E402
@@ -105,7 +106,9 @@ def timed_lookups(store, tokens: list[int], count: int, tag: str, rate: float = 
     return found
 
 
-def one_client(sock: str, tokens: list[int], count: int, rate: float, poll_s, start, queue):
+def one_client(sock: str, tokens: list[int], count: int, rate: float, poll_s, cpus, start, queue):
+    if cpus is not None:
+        pin(os.getpid(), cpus)
     engine = client(sock, poll_s=poll_s)
     start.wait()
     queue.put(timed_lookups(engine, tokens, count, "c", rate))
@@ -122,6 +125,9 @@ def latency(args: argparse.Namespace, directory: str) -> dict[str, float]:
     polls = ("--busy-poll-us", str(args.busy_poll_us))
     daemon = Daemon(f"{directory}/lat.sock", "--host-bytes", "16MiB", *polls).start()
     try:
+        if args.daemon_cpus is not None:
+            assert daemon.process is not None
+            pin(daemon.process.pid, args.daemon_cpus)
         engine = client(daemon.socket, poll_s=args.node_poll_us / 1e6)
         serve(engine, "warm", tokens + [0])
         rounds = []
@@ -159,7 +165,16 @@ def concurrent(args: argparse.Namespace, sock: str, tokens: list[int], rate: flo
     workers = [
         context.Process(
             target=one_client,
-            args=(sock, tokens, args.lookups, rate, args.node_poll_us / 1e6, start, queue),
+            args=(
+                sock,
+                tokens,
+                args.lookups,
+                rate,
+                args.node_poll_us / 1e6,
+                args.client_cpus,
+                start,
+                queue,
+            ),
         )
         for _ in range(args.clients)
     ]
@@ -187,6 +202,11 @@ def main() -> None:
     parser.add_argument("--no-latency", action="store_true", help="the hits only")
     parser.add_argument("--busy-poll-us", type=int, default=200, help="the daemon's poll")
     parser.add_argument("--node-poll-us", type=int, default=300, help="each client's poll")
+    parser.add_argument(
+        "--daemon-cpus", default=None,
+        help="CPUs of the daemon in the latency runs (e.g. 1: a core of its own, as a node gives it)",
+    )  # fmt: skip
+    parser.add_argument("--client-cpus", default=None, help="CPUs of the client processes, e.g. 0")
     args = parser.parse_args()
     import kvpool
 

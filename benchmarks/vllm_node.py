@@ -30,7 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")]
 
-from tests.node_helpers import Daemon, socket_dir  # noqa: E402
+from tests.node_helpers import Daemon, pin, socket_dir  # noqa: E402
 
 from vllm_connector import BLOCK, make_model, workload  # noqa: E402
 
@@ -192,8 +192,7 @@ def main() -> None:
             try:
                 if args.daemon_cpus is not None:
                     assert daemon.process is not None
-                    for task in os.listdir(f"/proc/{daemon.process.pid}/task"):  # (threads too)
-                        os.sched_setaffinity(int(task), cpu_set(args.daemon_cpus))
+                    pin(daemon.process.pid, args.daemon_cpus)
                 client = {
                     "node_cache": f"unix://{daemon.socket}",
                     "node_poll_us": args.node_poll_us,
@@ -229,15 +228,6 @@ def main() -> None:
               "(medians of the rows)")  # fmt: skip
     same = all(row["outputs"] == results[0][1]["outputs"] for _, row in results)
     print(f"same tokens in every row: {same}")
-
-
-def cpu_set(text: str) -> set[int]:
-    """CPUs named like taskset's lists: "1", "1-3", "0,2"."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
 
 
 if __name__ == "__main__":
