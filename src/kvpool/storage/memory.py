@@ -378,8 +378,24 @@ class DiskMemory(Memory):
         return out
 
     def readinto(self, offset: int, out: Bytes) -> None:
-        """Fill the contiguous array `out` from the file at `offset`."""
-        self.readv(offset, [out])
+        """Fill the contiguous array `out` from the file at `offset` (one `preadv` where the
+        range is one extent of the file: a page read where it lies)."""
+        nbytes = out.size
+        if not self._one_extent(offset, nbytes):
+            self.readv(offset, [out])
+            return
+        self._require_open()
+        self._check_range(offset, nbytes)
+        try:
+            got = os.preadv(self._fd, [out.data], self.file_offset(offset))
+        except OSError as error:
+            raise self._io_error("read", offset, nbytes, error) from error
+        if got < nbytes:  # (a short read: the general path goes on from there)
+            self.readv(offset + got, [out[got:]])
+
+    def _one_extent(self, offset: int, nbytes: int) -> bool:
+        """Whether bytes [offset, offset + nbytes) lie side by side in the file."""
+        return True
 
     def write(self, offset: int, data: Bytes | bytes) -> None:
         self.writev(

@@ -166,6 +166,9 @@ class SlotFileMemory(DiskMemory):
         slot, within = divmod(offset, self._slot_size)
         return self._file.payload_offset(slot, self._pool) + within
 
+    def _one_extent(self, offset: int, nbytes: int) -> bool:
+        return nbytes > 0 and offset // self._slot_size == (offset + nbytes - 1) // self._slot_size
+
     def _vector_io(self, op: str, offset: int, buffers: Sequence[Bytes]) -> None:
         self._require_open()
         views = [buffer.data.cast("B") for buffer in buffers]
