@@ -237,6 +237,13 @@ def test_disk_vector_io_retries_short_transfers(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert calls == [4096, 3096, 2096, 1096, 96]
     assert np.array_equal(np.concatenate(out), np.concatenate(parts))
+    calls.clear()
+    monkeypatch.setattr(os, "preadv", short(real_preadv))
+    whole = np.empty(4096, np.uint8)
+    memory.readinto(0, whole)  # (one extent: one call, then the rest as readv does it)
+    monkeypatch.undo()
+    assert calls == [4096, 3096, 2096, 1096, 96]
+    assert np.array_equal(whole, np.concatenate(parts))
     memory.close()
 
 
