@@ -511,7 +511,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if pool is None or target_locations is None:
             return [None] * len(keys)
         assert isinstance(pool.page, PageFormat)
-        targets = [pool.page.canonical_of(t) for t in target_locations]
+        targets = [pool.page.native_of(t) for t in target_locations]
         done = self._read(pool, keys, targets)
         return [t if ok else None for t, ok in zip(target_locations, done, strict=True)]
 
@@ -534,7 +534,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if pool is None or values is None:
             return False
         assert isinstance(pool.page, PageFormat)
-        sources = [pool.page.canonical_of(v) for v in values]
+        sources = [pool.page.native_of(v) for v in values]
         return all(self._write(pool, keys, sources))
 
     def set(

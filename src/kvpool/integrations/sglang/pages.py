@@ -10,10 +10,11 @@ one layout is read by a process with another:
 - MLA (`MLATokenToKVPoolHost`, the latent vector and rope part in one row per token):
   [layer, token, 1, dim].
 
-`PageFormat.canonical(host_pool, index)` is a strided view of the host pool's memory in that
-order (SGLang's own `get_data_page(index, flat=False)`, permuted): copies go straight between
-it and kvpool's page, no intermediate tensor. After the KV bytes, each stored page carries a
-tag of `TAG_BYTES` naming its key (see `backend.py`).
+Copies go straight between the host pool's page in its own order (SGLang's
+`get_data_page(index, flat=False)`) and kvpool's page bytes seen in that same order
+(`PageFormat.stored`: the canonical array, permuted once per scratch row rather than once per
+host page), no intermediate tensor. After the KV bytes, each stored page carries a tag of
+`TAG_BYTES` naming its key (see `backend.py`).
 
 A hybrid model's extra pools (SGLang's `_v2` interface) are stored the same way, one value per
 page key and pool:
@@ -72,24 +73,22 @@ class PageFormat:
             "sglang.dtype": str(self.dtype),
         }
 
-    def canonical(self, host_pool: Any, index: int) -> Any:
-        """The page starting at token slot `index` of `host_pool`, as a view in canonical order."""
-        return self.canonical_of(host_pool.get_data_page(index, flat=False))
-
-    def canonical_of(self, page: Any) -> Any:
-        """A page in the layout's own order (or flat, as SGLang's flat data pages are), as a
-        view in canonical order."""
-        return _PERMUTE[(self.kind, self.layout)](page.view(self.native_shape))
+    def native_of(self, page: Any) -> Any:
+        """A page in the layout's own order, or flat (SGLang's flat data pages), as a view in
+        the layout's own order."""
+        return page.view(self.native_shape)
 
     # (the interface `backend.py` copies through, shared with `StateFormat`)
 
     def target(self, host_pool: Any, index: int) -> Any:
-        """Where page `index` of `host_pool` is read from and written to."""
-        return self.canonical(host_pool, index)
+        """Where page `index` of `host_pool` is read from and written to (its own order)."""
+        return host_pool.get_data_page(index, flat=False)  # (`native_shape`: page_format)
 
     def stored(self, row: Any) -> Any:
-        """The page's bytes in a stored row (a uint8 array) as a tensor in canonical order."""
-        return torch.from_numpy(row[: self.nbytes]).view(self.dtype).view(self.shape)
+        """The page's bytes in a stored row (a uint8 array, canonical order) as a tensor in the
+        layout's own order, to copy to and from `target`."""
+        canonical = torch.from_numpy(row[: self.nbytes]).view(self.dtype).view(self.shape)
+        return _NATIVE[(self.kind, self.layout)](canonical)
 
     def take(self, stored: Any, source: Any) -> None:
         """Copy a host page (`target`) into a stored page (`stored`)."""
@@ -100,13 +99,13 @@ class PageFormat:
         target.copy_(stored)
 
 
-_PERMUTE: dict[tuple[str, str], Callable[[Any], Any]] = {
+_NATIVE: dict[tuple[str, str], Callable[[Any], Any]] = {  # canonical -> the layout's order
     ("mha", "layer_first"): lambda page: page,  # [2, L, P, H, D]
     ("mha", "page_first"): lambda page: page.permute(0, 2, 1, 3, 4),  # [2, P, L, H, D]
-    ("mha", "page_first_direct"): lambda page: page[:, 0],  # [2, 1, L, P, H, D]
+    ("mha", "page_first_direct"): lambda page: page.unsqueeze(1),  # [2, 1, L, P, H, D]
     ("mla", "layer_first"): lambda page: page,  # [L, P, 1, D]
     ("mla", "page_first"): lambda page: page.permute(1, 0, 2, 3),  # [P, L, 1, D]
-    ("mla", "page_first_direct"): lambda page: page[0],  # [1, L, P, 1, D]
+    ("mla", "page_first_direct"): lambda page: page.unsqueeze(0),  # [1, L, P, 1, D]
 }
 
 
@@ -147,13 +146,14 @@ def page_format(host_pool: Any) -> PageFormat:
     found = PageFormat(
         kind, layout, page_size, layer_num, head_num, head_dim, dtype, shape, native_shape, nbytes
     )
-    probe = _PERMUTE[(kind, layout)](native)
-    if tuple(probe.shape) != shape or native.untyped_storage().data_ptr() != (
+    probe = _NATIVE[(kind, layout)](torch.empty(shape, dtype=dtype, device="meta"))
+    if tuple(probe.shape) != native_shape or native.untyped_storage().data_ptr() != (
         host_pool.kv_buffer.untyped_storage().data_ptr()
     ):
         raise ConfigError(
-            f"mem_pool_host ({name}, {layout}): its pages are not views of shape {shape} of its "
-            f"buffer (got {tuple(probe.shape)}); this SGLang release stores pages differently"
+            f"mem_pool_host ({name}, {layout}): its pages are not views of shape "
+            f"{tuple(probe.shape)} of its buffer (got {native_shape}); this SGLang release "
+            "stores pages differently"
         )
     return found
 
