@@ -125,7 +125,7 @@ def cpu_seconds(server, valkey_pid: int, proxy_tid: int) -> dict[str, float]:
     return found
 
 
-def run_row(name, extra, model, workload, warm, rate, log_dir, watch) -> dict:
+def run_row(name, extra, model, workload, warm, gaps, log_dir, watch) -> dict:
     options = ("--num-gpu-blocks-override", "96")
     hook = log_dir / "hook"
     hook.mkdir(exist_ok=True)
@@ -153,7 +153,7 @@ def run_row(name, extra, model, workload, warm, rate, log_dir, watch) -> dict:
             futures = []
             for i in range(len(workload)):
                 futures.append(pool.submit(send, i))
-                time.sleep(1 / rate)
+                time.sleep(gaps[i])
             for future in futures:
                 future.result()
         cpu_after = cpu_seconds(server, *watch)
@@ -169,6 +169,7 @@ def run_row(name, extra, model, workload, warm, rate, log_dir, watch) -> dict:
     for kind in ("local", "remote"):
         times = [r[1] for r in done if r[0] == kind]
         row[kind] = (statistics.median(times), percentile(times, 0.99))
+        row[f"{kind}_times"] = times
     return row
 
 
@@ -177,6 +178,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--delay-ms", type=float, default=100)
     parser.add_argument("--rate", type=float, default=4, help="requests per second")
+    parser.add_argument(
+        "--arrivals", choices=["steady", "poisson"], default="steady",
+        help="steady: one request every 1/rate s; poisson: exponential gaps of mean 1/rate s, "
+        "the same seeded gaps in every row (with steady arrivals a fetch that ends a fixed time "
+        "after a later request's arrival meets every such request: see docs/benchmarks.md)",
+    )  # fmt: skip
     parser.add_argument("--prompt", type=int, default=16 * BLOCK + 5)
     parser.add_argument(
         "--rows",
@@ -186,6 +193,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     rng = random.Random(0)
+    arrivals = random.Random(1)
+    gaps = [
+        1 / args.rate if args.arrivals == "steady" else arrivals.expovariate(args.rate)
+        for _ in range(args.requests)
+    ]
     n_remote = args.requests // 3
     remote_prompts = [[rng.randrange(2000) for _ in range(args.prompt)] for _ in range(n_remote)]
     local_prompts = [[rng.randrange(2000) for _ in range(args.prompt)] for _ in range(8)]
@@ -223,7 +235,7 @@ def main() -> None:
             assert valkey.process is not None and proxy._thread is not None
             watch = (valkey.process.pid, proxy._thread.native_id)
             rows = [
-                run_row(*kinds[kind], model, workload, local_prompts, args.rate, tmp_path, watch)
+                run_row(*kinds[kind], model, workload, local_prompts, gaps, tmp_path, watch)
                 for kind in args.rows.split(",")
             ]
         finally:
@@ -231,7 +243,7 @@ def main() -> None:
             valkey.stop()
     reference = rows[0]["local"][1]
     print(
-        f"\n{args.requests} requests at {args.rate}/s, a third fetching from Valkey behind a "
+        f"\n{args.requests} requests at {args.rate}/s ({args.arrivals}), a third fetching from Valkey behind a "
         f"{args.delay_ms:.0f} ms proxy; TTFT in ms (client side, streamed)\n"
     )
     print(
@@ -251,6 +263,17 @@ def main() -> None:
     print("|---" * (len(CPU_PARTS) + 1) + "|")
     for row in rows:
         print(f"| {row['name']} | " + " | ".join(f"{row['cpu'][p]:.2f}" for p in CPU_PARTS) + " |")
+    pooled: dict[str, list[float]] = {}
+    for row in rows:  # (the p99 of one row's 80 local requests is its second slowest)
+        pooled.setdefault(row["name"], []).extend(row["local_times"])
+    if len(pooled) > 1 and len(rows) > len(pooled):
+        print("\nLocal requests of all the rows of a kind together\n")
+        print("| rows | local requests | local p50 | local p99 | local p99 / no remote |")
+        print("|---|---|---|---|---|")
+        base = percentile(next(iter(pooled.values())), 0.99)
+        for name, times in pooled.items():
+            print(f"| {name} | {len(times)} | {statistics.median(times) * 1e3:.0f} | "
+                  f"{percentile(times, 0.99) * 1e3:.0f} | {percentile(times, 0.99) / base:.2f} |")  # fmt: skip
     same = all(row["tokens"] == rows[0]["tokens"] for row in rows)
     print(f"\ntokens equal in every row: {same}")
     if not same:
