@@ -15,8 +15,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM (scripts/test.sh runs this in its vLLM venv)")
 
-from kvpool.integrations.vllm import scheduler as scheduler_module
-from kvpool.integrations.vllm.scheduler import IDLE_WAIT_S, IDLE_WAIT_WATCHED_S, SchedulerSide
+from kvpool.integrations.vllm import idle as idle_module
+from kvpool.integrations.vllm.idle import IDLE_WAIT_S, IDLE_WAIT_WATCHED_S
+from kvpool.integrations.vllm.scheduler import SchedulerSide
 from kvpool.integrations.vllm.scoping import reuse_scope
 from kvpool.integrations.vllm.settings import (
     ConnectorSettings,
@@ -175,7 +176,7 @@ def test_an_empty_step_in_an_engine_core_pauses_until_a_request_arrives(server, 
         engine.step(empty)
         assert time.perf_counter() - started < IDLE_WAIT_WATCHED_S * 0.9
         engine.input_queue.get()
-        monkeypatch.setattr(scheduler_module, "IDLE_WAIT_WATCHED_S", 30.0)
+        monkeypatch.setattr(idle_module, "IDLE_WAIT_WATCHED_S", 30.0)
         arrival = threading.Timer(0.05, engine.input_queue.put, [("add", "r-local")])
         arrival.start()  # (a request arriving during the pause ends it)
         started = time.perf_counter()

@@ -28,13 +28,11 @@ import dataclasses
 import json
 import logging
 import os
-import queue
-import sys
 from collections.abc import Callable, Sequence
-from types import FrameType
 from typing import Any
 
 from kvpool.errors import ConfigError
+from kvpool.integrations.vllm.idle import IdlePause
 from kvpool.integrations.vllm.metadata import KVPoolConnectorMetadata, Transfer
 from kvpool.integrations.vllm.node import node_client
 from kvpool.integrations.vllm.scoping import AdapterIdentities, reusable, reuse_scope
@@ -84,33 +82,6 @@ class ConnectorCounters:
 
 BlockIds = Sequence[Sequence[int]]  # per vLLM KV-cache group
 _WAIT = object()  # a lookup whose I/O runs: "not yet" to vLLM
-# An empty step while lookups wait: vLLM's engine loop steps again at once, for as long as a
-# request waits (a core spun, the interpreter held against the look-ahead threads and the
-# server's processes; each step also a call to every worker). Paused instead, until a lookup is
-# ready or this long (the most a request arriving meanwhile waits for its first step)...
-IDLE_WAIT_S = 0.002
-# ... or, where the engine core's input queue is seen (`engine_input_check`), until a lookup is
-# ready, the engine has input (a request, an abort, a wake-up) or this long: fewer empty steps,
-# and a request arriving meanwhile ends the pause.
-IDLE_WAIT_WATCHED_S = 0.02
-_NOT_LOOKED = object()
-
-
-def engine_input_check(depth: int = 16) -> Callable[[], bool] | None:
-    """A check that vLLM's engine core has input waiting, made from the `input_queue` of the
-    engine core (`EngineCoreProc`) whose step runs on this thread (found on the caller's stack:
-    vLLM hands the connector no handle to it); None where there is none (a test, another
-    engine loop)."""
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(depth):
-        if frame is None:
-            break
-        found = getattr(frame.f_locals.get("self"), "input_queue", None)
-        if isinstance(found, queue.Queue):
-            waiting = found
-            return lambda: not waiting.empty()
-        frame = frame.f_back
-    return None
 
 
 class SchedulerSide:
@@ -169,7 +140,7 @@ class SchedulerSide:
         self._written: dict[str, int] | None = None
         self._closed = False
         self._waiting: set[str] = set()  # requests told "not yet" (their lookup's I/O runs)
-        self._engine_input: Any = _NOT_LOOKED  # (`engine_input_check`, once)
+        self._idle = IdlePause()
 
     @property
     def shared(self) -> dict[str, str]:
@@ -405,12 +376,7 @@ class SchedulerSide:
             and not (meta.saves or meta.loads or meta.stores)
         ):
             self.counters.idle_waits += 1
-            if self._engine_input is _NOT_LOOKED:
-                self._engine_input = engine_input_check()
-            if self._engine_input is None:
-                self.store.idle(IDLE_WAIT_S)
-            else:
-                self.store.idle(IDLE_WAIT_WATCHED_S, self._engine_input)
+            self._idle.pause(self.store)
         return meta
 
     def _of_generation(
