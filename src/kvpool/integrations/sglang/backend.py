@@ -8,21 +8,18 @@ its own (SGLang's key already names the page's whole prefix), and its levels, ev
 persistent disk and shared tier hold it like any block. `batch_exists` asks for the pages in
 order and stops at the first absent one, as SGLang's contract says.
 
-Every host pool SGLang registers has a kvpool manager of its own (`_Pool`): the KV pool
+Every host pool SGLang registers has a kvpool manager of its own (`StoredPool`): the KV pool
 (`register_mem_pool_host`, and again as `kv` through `register_mem_host_pool_v2`), and a
 hybrid model's `swa` and `mamba` pools (`register_mem_host_pool_v2`), whose pages differ in
 size; `staging_bytes`, `host_bytes` and `disk_bytes` are split between them (`pool_shares`).
 The managers are built once SGLang says the pools are all registered
 (`on_host_pools_registered`). Any other pool is refused by name when it is registered.
 
-Reads and writes copy straight between SGLang's host pool (a strided view of the page, by
-index: `batch_get_v1`/`batch_set_v1` and the `_v2` forms, or the flat page tensors of SGLang's
-generic path) and kvpool's first level (`staging_bytes`): one copy each way, in the canonical
-order of `pages.py`, whatever the host pool's layout. A stored value ends with a tag naming its
-key and pool; a page whose tag differs is a miss (counted as corrupt), never bytes in SGLang's
-pool. Every failure (a tier's error, a value failing a check, a timeout) is a miss or a write
-not done; only arguments that break SGLang's contract (keys that are not strings, host indices
-that are not `page_size` per key) raise, an `ArgumentError` naming them.
+Pages are copied between SGLang's host pool (by index: `batch_get_v1`/`batch_set_v1` and the
+`_v2` forms, or the flat pages of SGLang's generic path) and each pool's manager as `pools.py`
+says. A page whose tag names another key is a miss, never bytes in SGLang's pool; every
+failure (a tier's error, a failed check, a timeout) is a miss or a write not done. Only
+arguments that break SGLang's contract raise, an `ArgumentError` naming them.
 
 `batch_exists_v2` answers with SGLang's per-pool hit policies: `all_pages` (the pool's leading
 run), `trailing_pages` (a prefix of n pages is restorable when the pool holds the last
@@ -33,10 +30,7 @@ controller intersects them over ranks.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -44,38 +38,33 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
 
-from kvpool.config import (
-    AttentionLayerConfig,
-    BufferConfig,
-    CacheTierConfig,
-    DiskCacheTierConfig,
-    GpuCacheTierConfig,
-    HostCacheTierConfig,
-    KVCacheManagerConfig,
-    ReuseScope,
-)
-from kvpool.errors import ArgumentError, ConfigError, LogicError
+from kvpool.errors import ConfigError, LogicError
 from kvpool.integrations.identity import ModelIdentity
 from kvpool.integrations.sglang.identity import Shard, rank_shard, sglang_identity, state_shard
 from kvpool.integrations.sglang.pages import (
-    TAG_BYTES,
     PageFormat,
     StateFormat,
+    check_indices,
+    check_keys,
     page_format,
     state_format,
 )
+from kvpool.integrations.sglang.pools import (
+    KV,
+    ROLE,
+    StoredPool,
+    level_budgets,
+    pool_statistics,
+)
 from kvpool.integrations.sglang.settings import BackendSettings
 from kvpool.manager import KVCacheManager
-from kvpool.storage.pools import HOST_GRANULARITY as GRAIN  # (a level's quota is spent in grains)
 
 log = logging.getLogger("kvpool.sglang")
 
-ROLE = "page"  # the one buffer of a manager's one layer: a whole SGLang page, then its tag
-KV, SWA, MAMBA = "kv", "swa", "mamba"  # the pools stored (SGLang's PoolName values)
+SWA, MAMBA = "swa", "mamba"  # the pools stored beside KV (SGLang's PoolName values)
 EXTRA_POOLS = (SWA, MAMBA)
 ALL_PAGES, TRAILING_PAGES = "all_pages", "trailing_pages"  # SGLang's PoolHitPolicy values
 
@@ -94,45 +83,6 @@ def _value(name: Any) -> str:
     return str(getattr(name, "value", name))
 
 
-class _Pool:
-    """One SGLang host pool and the kvpool manager storing its pages: one block of one token
-    per page key, one buffer of one layer (the page, then its tag)."""
-
-    def __init__(
-        self, name: str, host_pool: Any, page: PageFormat | StateFormat, shard: Shard
-    ) -> None:
-        self.name, self.host_pool, self.page, self.shard = name, host_pool, page, shard
-        self.manager: KVCacheManager | None = None
-        self.identity: ModelIdentity | None = None
-        self.salt = b""
-        self.scope: ReuseScope | None = None
-        self.level_names: list[str] = []
-        self.lock = threading.Lock()
-        self.counters: Counter[str] = Counter()
-        self.row = np.empty(page.nbytes + TAG_BYTES, dtype=np.uint8)  # (one page, under lock)
-        self.scratch = page.stored(self.row)
-
-    @property
-    def value_bytes(self) -> int:
-        return self.page.nbytes + TAG_BYTES
-
-    def token(self, key: str) -> bytes:
-        """The kvpool token of SGLang page `key` in this pool's namespace (its first
-        `TAG_BYTES` are the stored page's tag)."""
-        return hashlib.sha256(self.salt + b"\0" + key.encode()).digest()
-
-
-def _pool_identity(kv: ModelIdentity, name: str, page: PageFormat | StateFormat) -> ModelIdentity:
-    """An extra pool's identity: the model's (the KV pool's) with the pool's name and format."""
-    parts = page.identity_parts()
-    digest = hashlib.sha256(b"kvpool-sglang-pool-1\0" + kv.digest.encode() + b"\0")
-    digest.update(name.encode())
-    for key in sorted(parts):
-        digest.update(f"\0{key}={parts[key]!r}".encode())
-    said = ", ".join(f"{k}={parts[k]}" for k in sorted(parts))
-    return ModelIdentity(digest.hexdigest(), f"{kv.description}; pool {name}: {said}")
-
-
 class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """SGLang's `dynamic` storage backend (module docstring; the guide: docs/guides/sglang.md).
     SGLang builds it with `(storage_config, kwargs)`, then calls `register_mem_pool_host` (the
@@ -147,7 +97,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.storage_config = storage_config
         self.settings = BackendSettings.parse(storage_config.extra_config)
         self.shard: Shard = rank_shard(storage_config)
-        self.pools: dict[str, _Pool] = {}
+        self.pools: dict[str, StoredPool] = {}
         self.page: PageFormat | None = None  # (the KV pool's)
         self.identity: ModelIdentity | None = None  # (the model's: the KV pool's)
         self.mem_pool_host: Any = None
@@ -185,7 +135,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         page = page_format(mem_pool_host)
         identity = sglang_identity(self.storage_config, page, self.settings.model_id)
         self.mem_pool_host, self.page, self.identity = mem_pool_host, page, identity
-        pool = _Pool(KV, mem_pool_host, page, self.shard)
+        pool = StoredPool(KV, mem_pool_host, page, self.shard)
         pool.identity = identity
         self.pools[KV] = pool
 
@@ -225,7 +175,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 page, shard = page_format(host_pool), self.shard
         except ConfigError as error:
             raise ConfigError(f"host pool {name} ({kind}) is not supported: {error}") from error
-        self.pools[name] = _Pool(name, host_pool, page, shard)
+        self.pools[name] = StoredPool(name, host_pool, page, shard)
 
     def on_host_pools_registered(self) -> None:
         """Every pool is registered: build a manager per pool, the levels' bytes split between
@@ -236,122 +186,17 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._build_lock:
             if self._built or KV not in self.pools:
                 return
-            self._weights()  # (checked even when there is one pool)
-            s = self.settings
-            splits = {
-                key: self._split(key, total)
-                for key, total in [
-                    ("staging_bytes", s.staging_bytes),
-                    ("host_bytes", s.host_bytes),
-                    ("disk_bytes", s.disk_bytes),
-                ]
-                if total
-            }
+            budgets = level_budgets(self.pools, self.settings)  # (a ConfigError: none built)
+            assert self.identity is not None  # (the KV pool is registered)
             try:
                 for name, pool in self.pools.items():
-                    self._build_pool(pool, {key: split[name] for key, split in splits.items()})
+                    pool.build(
+                        budgets[name], self.settings, self.storage_config, self.shard, self.identity
+                    )
             finally:
                 self._built = True  # (close() frees what was built)
 
-    def _weights(self) -> dict[str, float]:
-        """Each pool's weight in the split of the levels' bytes: `pool_shares` (naming every
-        pool), else one stored page of each (each pool holds about as many pages)."""
-        given = self.settings.pool_shares
-        if given is None:
-            return {name: float(pool.value_bytes) for name, pool in self.pools.items()}
-        weights = dict(given)
-        for name in sorted(set(self.pools) ^ set(weights)):
-            raise ConfigError(
-                f"hicache_storage_backend_extra_config['pool_shares']={weights!r} is invalid: "
-                f"must name every pool SGLang registered ({sorted(self.pools)}), "
-                f"{'not' if name in weights else 'and'} {name!r}"
-            )
-        return weights
-
-    def _split(self, key: str, total: int) -> dict[str, int]:
-        """`total` bytes of level `key` split between the pools: each first gets the least a
-        level of its own holds (one grain of `GRAIN` bytes, or its page rounded up to grains),
-        the rest goes by weight (`ConfigError` naming the key when `total` is short)."""
-        if len(self.pools) == 1:
-            return {name: total for name in self.pools}
-        floors = {n: -(-p.value_bytes // GRAIN) * GRAIN for n, p in self.pools.items()}
-        if total < sum(floors.values()):
-            raise ConfigError(
-                f"hicache_storage_backend_extra_config[{key!r}]={total} is invalid: must be at "
-                f"least {sum(floors.values())} bytes, the least a level of each pool holds "
-                f"({floors})"
-            )
-        weights = self._weights()
-        rest, weight = total - sum(floors.values()), sum(weights.values())
-        return {n: floors[n] + int(rest * weights[n] / weight) for n in self.pools}
-
-    def _build_pool(self, pool: _Pool, budget: dict[str, int]) -> None:
-        if pool.identity is None:
-            assert self.identity is not None  # (the KV pool is registered)
-            pool.identity = _pool_identity(self.identity, pool.name, pool.page)
-        pool.salt = f"sglang|{pool.identity.digest}|{pool.shard.label}".encode()
-        pool.scope = ReuseScope(salt=pool.salt)
-        try:
-            manager = KVCacheManager(self._manager_config(pool, budget))
-        except ConfigError as error:
-            raise ConfigError(f"pool {pool.name} ({budget}): {error}") from error
-        manager.transfer_to_current_thread()
-        pool.manager = manager
-        pool.level_names = ["staging"] + [name.lower() for name in manager.stats().level_names[1:]]
-        recovery = manager.disk_recovery
-        log.info(
-            "kvpool: SGLang storage for %s, pool %s, shard %s, pages of %d bytes (%s, %s); "
-            "levels %s %s%s%s",
-            pool.identity,
-            pool.name,
-            pool.shard.label,
-            pool.page.nbytes,
-            pool.page.kind,
-            pool.page.layout,
-            pool.level_names,
-            budget,
-            "" if self.settings.remote_url is None else ", remote",
-            ""
-            if recovery is None
-            else f"; found on disk: {recovery.blocks} pages ({recovery.bytes_verified} bytes "
-            f"checked), discarded {dict(recovery.discarded)}",
-        )
-
-    def _manager_config(self, pool: _Pool, budget: dict[str, int]) -> KVCacheManagerConfig:
-        s = self.settings
-        tiers: list[CacheTierConfig] = [
-            GpuCacheTierConfig(budget["staging_bytes"], shared_by_fd=True)
-        ]
-        if s.host_bytes:
-            tiers.append(HostCacheTierConfig(budget["host_bytes"]))
-        if s.disk_bytes:
-            assert s.disk_path is not None and pool.identity is not None
-            config = self.storage_config  # (a directory per process and pool: one manager each)
-            process = (
-                f"{self.shard.label}-pp{config.pp_rank}of{config.pp_size}"
-                f"-dp{getattr(config, 'dp_rank', 0)}"
-            )
-            suffix = "" if pool.name == KV else f"-{pool.name}"
-            path = os.path.join(s.disk_path, f"kvpool-sglang-{process}{suffix}")
-            os.makedirs(path, exist_ok=True)
-            persistent = f"{pool.identity.digest}|{pool.shard.label}" if s.disk_persist else None
-            tiers.append(DiskCacheTierConfig(budget["disk_bytes"], path, persistent))
-        remote = None
-        if s.remote_url is not None:
-            assert pool.identity is not None
-            remote = s.remote_tier(pool.identity.digest, pool.shard.index)
-        layer = AttentionLayerConfig(0, [BufferConfig(ROLE, pool.value_bytes)])
-        return KVCacheManagerConfig(
-            tokens_per_block=1,
-            cache_tiers=tiers,
-            layers=[layer],
-            enable_partial_reuse=False,
-            remote_tier=remote,
-            eviction_policy=s.eviction_policy,
-            max_util_for_resume=1.0,
-        )
-
-    def _pool(self, name: str) -> _Pool | None:
+    def _pool(self, name: str) -> StoredPool | None:
         """The pool named `name`, its manager built (None when not registered: counted)."""
         if not self._built:
             self._build()  # (SGLang calls on_host_pools_registered first; a direct caller may not)
@@ -361,7 +206,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return pool
 
     @contextmanager
-    def _driving(self, pool: _Pool | None, operation: str) -> Iterator[KVCacheManager | None]:
+    def _driving(self, pool: StoredPool | None, operation: str) -> Iterator[KVCacheManager | None]:
         """The pool's manager, for this thread, while no other call runs on it; None when it
         is not built (or closed), or when `timeout_ms` passes first (counted)."""
         if pool is None or pool.manager is None:
@@ -392,11 +237,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many of `keys`, from the first, are stored (locally, then on the remote tier)."""
-        _check_keys(keys)
+        check_keys(keys)
         found = self._presence(self._pool(KV), keys, leading=True)
         return sum(found)
 
-    def _presence(self, pool: _Pool | None, keys: Sequence[str], leading: bool) -> list[bool]:
+    def _presence(self, pool: StoredPool | None, keys: Sequence[str], leading: bool) -> list[bool]:
         """Whether each of `keys` is stored in `pool` (`leading`: up to the first absent one,
         the rest False). A failure: none is."""
         found = [False] * len(keys)
@@ -422,7 +267,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """The usable prefix of `keys` (in pages) over the KV pool and each pool of
         `pool_transfers`, by its hit policy (module docstring); with each pool's own boundary
         and every prefix length all pools can restore."""
-        _check_keys(keys)
+        check_keys(keys)
         kv_pages = self.batch_exists(keys)
         hits: dict[Any, int] = {KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
@@ -451,7 +296,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Read page i of `keys` into the host pool at `host_indices[i * page_size]`."""
-        _check_keys(keys)
+        check_keys(keys)
         pool = self._pool(KV)
         targets = self._host_pages(pool, keys, host_indices)
         if pool is None or targets is None:
@@ -462,7 +307,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         """Store page i of `keys` from the host pool at `host_indices[i * page_size]`."""
-        _check_keys(keys)
+        check_keys(keys)
         pool = self._pool(KV)
         sources = self._host_pages(pool, keys, host_indices)
         if pool is None or sources is None:
@@ -483,7 +328,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         done: dict[Any, list[bool]] = {}
         for transfer in transfers or []:
             keys = list(transfer.keys or [])
-            _check_keys(keys)
+            check_keys(keys)
             pool = self._pool(_value(transfer.name))
             pages = self._host_pages(pool, keys, transfer.host_indices)
             done[transfer.name] = (
@@ -492,13 +337,13 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         return done
 
     def _host_pages(
-        self, pool: _Pool | None, keys: list[str], host_indices: Any
+        self, pool: StoredPool | None, keys: list[str], host_indices: Any
     ) -> list[Any] | None:
         """`pool`'s host page i of `keys`, at `host_indices[i * page_size]`, each as its format
         copies it (None when the pool is not registered)."""
         if pool is None:
             return None
-        _check_indices(host_indices, len(keys), pool.page.page_size, pool.name)
+        check_indices(host_indices, len(keys), pool.page.page_size, pool.name)
         starts = host_indices[:: pool.page.page_size].tolist()
         return [pool.page.target(pool.host_pool, int(s)) for s in starts]
 
@@ -506,7 +351,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
         """SGLang's generic path: each page into its flat tensor (the host pool's own order)."""
-        _check_keys(keys)
+        check_keys(keys)
         pool = self._pool(KV)
         if pool is None or target_locations is None:
             return [None] * len(keys)
@@ -529,7 +374,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         target_sizes: Any = None,
     ) -> bool:
         """SGLang's generic path: each page from its tensor (the host pool's own order)."""
-        _check_keys(keys)
+        check_keys(keys)
         pool = self._pool(KV)
         if pool is None or values is None:
             return False
@@ -584,8 +429,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         `remote`, the remote tier's own counters (values found corrupt among them). A hybrid
         model's other pools: the same under `pools` (`pools["mamba"]["corrupt_pages"]`)."""
         kv = self.pools.get(KV)
-        found = _pool_statistics(kv, self.counters)
-        others = {name: _pool_statistics(p, Counter()) for name, p in self.pools.items()}
+        found = pool_statistics(kv, self.counters)
+        others = {name: pool_statistics(p, Counter()) for name, p in self.pools.items()}
         others.pop(KV, None)
         if others:
             found["pools"] = others
@@ -593,7 +438,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # -- the copies -----------------------------------------------------------------------------
 
-    def _read(self, pool: _Pool, keys: Sequence[str], targets: Sequence[Any]) -> list[bool]:
+    def _read(self, pool: StoredPool, keys: Sequence[str], targets: Sequence[Any]) -> list[bool]:
         """Pages of `keys` into `targets` in order, stopping at the first that fails (SGLang
         uses the leading run)."""
         done = [False] * len(keys)
@@ -604,7 +449,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             view = manager.page_view(0, ROLE)  # (no pool resizes while the lock is held)
             for i, (key, target) in enumerate(zip(keys, targets, strict=True)):
                 try:
-                    ok = self._read_one(pool, manager, view, key, target)
+                    ok = pool.read_one(manager, view, key, target)
                 except Exception as error:
                     self._failed(pool, "get", error)
                     ok = False
@@ -614,50 +459,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._note("prefetch", sum(done), pool.page.nbytes, started)
         return done
 
-    def _read_one(
-        self, pool: _Pool, manager: KVCacheManager, view: Any, key: str, target: Any
-    ) -> bool:
-        """Page `key` into `target`. A local page is read where it lies (into the pool's
-        scratch row, then checked): SGLang's host pool is the cache above, so bringing the page
-        up to kvpool's staging level would cost a copy and an eviction for nothing. A page
-        found on the remote tier is fetched into the staging level (and stays there for the
-        next reader)."""
-        token = pool.token(key)
-        cache = manager.create_kv_cache(pool.scope, [token])
-        try:
-            if cache.num_committed_tokens < 1:
-                pool.counters["miss_pages"] += 1
-                return False
-            if cache.pending_remote_tokens:
-                tier = "remote"
-                if not cache.resume() or cache.num_committed_tokens < 1:
-                    pool.counters["miss_pages"] += 1
-                    return False
-                row = view[int(cache.get_page_indices(0, ROLE)[0])]
-                stored = pool.page.stored(row)
-            else:
-                tier = self._tier_of(pool, cache)
-                cache.read_committed(0, 0, ROLE, pool.row)
-                row, stored = pool.row, pool.scratch
-            if bytes(row[pool.page.nbytes :]) != token[:TAG_BYTES]:
-                pool.counters["corrupt_pages"] += 1
-                log.warning(
-                    "kvpool: the %s page stored for %s names another key: a miss", pool.name, key
-                )
-                return False
-            pool.page.put(target, stored)
-            pool.counters[f"hit_{tier}"] += 1
-            pool.counters["read_bytes"] += pool.page.nbytes
-            return True
-        finally:
-            cache.close()
-
-    @staticmethod
-    def _tier_of(pool: _Pool, cache: Any) -> str:
-        page = cache.pages(0)[0]
-        return "staging" if page is None else pool.level_names[page.level]
-
-    def _write(self, pool: _Pool, keys: Sequence[str], sources: Sequence[Any]) -> list[bool]:
+    def _write(self, pool: StoredPool, keys: Sequence[str], sources: Sequence[Any]) -> list[bool]:
         done = [False] * len(keys)
         started = time.perf_counter()
         with self._driving(pool, "set") as manager:
@@ -666,36 +468,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             view = manager.page_view(0, ROLE)
             for i, (key, source) in enumerate(zip(keys, sources, strict=True)):
                 try:
-                    done[i] = self._write_one(pool, manager, view, key, source)
+                    done[i] = pool.write_one(manager, view, key, source)
                 except Exception as error:
                     self._failed(pool, "set", error)
         self._note("backup", sum(done), pool.page.nbytes, started)
         return done
-
-    @staticmethod
-    def _write_one(pool: _Pool, manager: KVCacheManager, view: Any, key: str, source: Any) -> bool:
-        """Page `key` from `source` into a new staging page (through the pool's scratch row:
-        the page in canonical order, then its tag), committed; a page stored already is left
-        as it is."""
-        token = pool.token(key)
-        cache = manager.create_kv_cache(pool.scope, [token], remote=False)
-        try:
-            if cache.num_committed_tokens >= 1:
-                pool.counters["present_pages"] += 1
-                return True
-            if not (cache.resume() and cache.resize(1)):
-                pool.counters["no_room_pages"] += 1
-                return False
-            pool.page.take(pool.scratch, source)
-            pool.row[pool.page.nbytes :] = np.frombuffer(token[:TAG_BYTES], dtype=np.uint8)
-            view[int(cache.get_page_indices(0, ROLE)[0])] = pool.row
-            cache.commit([token])
-            manager.write_remote(cache, 0)
-            pool.counters["stored_pages"] += 1
-            pool.counters["written_bytes"] += pool.page.nbytes
-            return True
-        finally:
-            cache.close()
 
     def _note(self, kind: str, pages: int, nbytes: int, started: float) -> None:
         if not pages:
@@ -705,7 +482,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._metrics[f"{kind}_bandwidth"].append(pages * nbytes / seconds / 1e9)
 
     @staticmethod
-    def _failed(pool: _Pool, operation: str, error: Exception) -> None:
+    def _failed(pool: StoredPool, operation: str, error: Exception) -> None:
         pool.counters["failures"] += 1
         log.warning(
             "kvpool: %s (%s) failed (%s: %s): a miss",
@@ -713,34 +490,6 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             pool.name,
             type(error).__name__,
             error,
-        )
-
-
-def _pool_statistics(pool: _Pool | None, extra: Counter[str]) -> dict[str, Any]:
-    counters = dict(extra + (Counter() if pool is None else pool.counters))
-    manager = None if pool is None else pool.manager
-    remote = None if manager is None else manager.remote_statistics()
-    by_tier = {
-        name.removeprefix("hit_"): n for name, n in counters.items() if name.startswith("hit_")
-    }
-    return {
-        "hit_pages_by_tier": by_tier,
-        **{k: v for k, v in counters.items() if not k.startswith("hit_")},
-        "remote": None if remote is None else dataclasses.asdict(remote),
-    }
-
-
-def _check_keys(keys: object) -> None:
-    if not isinstance(keys, list | tuple) or not all(isinstance(k, str) for k in keys):
-        raise ArgumentError(f"keys={keys!r} is invalid: must be a list of strings (page hashes)")
-
-
-def _check_indices(host_indices: object, pages: int, page_size: int, pool: str) -> None:
-    if not isinstance(host_indices, torch.Tensor) or host_indices.numel() != pages * page_size:
-        got = host_indices.numel() if isinstance(host_indices, torch.Tensor) else host_indices
-        raise ArgumentError(
-            f"host_indices={got!r} is invalid: must be a tensor of {pages} x {page_size} "
-            f"slots of pool {pool} (page_size per key)"
         )
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ArgumentError, ConfigError
 
 TAG_BYTES = 16
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -242,3 +242,19 @@ __all__ = [
     "page_format",
     "state_format",
 ]
+
+
+def check_keys(keys: object) -> None:
+    """SGLang's keys: a list of strings (`ArgumentError` naming them)."""
+    if not isinstance(keys, list | tuple) or not all(isinstance(k, str) for k in keys):
+        raise ArgumentError(f"keys={keys!r} is invalid: must be a list of strings (page hashes)")
+
+
+def check_indices(host_indices: object, pages: int, page_size: int, pool: str) -> None:
+    """SGLang's host indices: `page_size` slots per key (`ArgumentError` naming them)."""
+    if not isinstance(host_indices, torch.Tensor) or host_indices.numel() != pages * page_size:
+        got = host_indices.numel() if isinstance(host_indices, torch.Tensor) else host_indices
+        raise ArgumentError(
+            f"host_indices={got!r} is invalid: must be a tensor of {pages} x {page_size} "
+            f"slots of pool {pool} (page_size per key)"
+        )
