@@ -366,6 +366,18 @@ def disk_fd(m):
     return m._storage.state.levels[-1].pool_groups[0].memories[0].fileno
 
 
+def fail_disk_reads(monkeypatch, m):
+    """Every read of `m`'s disk level fails with EIO (a bad sector) until `monkeypatch.undo()`."""
+    fd, real = disk_fd(m), os.preadv
+
+    def bad_sector(file, buffers, offset):
+        if file == fd:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(file, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", bad_sector)
+
+
 def test_failed_disk_write_leaves_the_page_on_host_and_reusable(make, tmp_path, monkeypatch):
     m, engine = make()
     prompt = list(range(1, 4 * TPB + 1))
@@ -400,14 +412,7 @@ def test_failed_disk_read_keeps_the_request_suspended_and_consistent(make, tmp_p
     fill(m, engine, 10_000, 32)
     fill(m, engine, 20_000, 32)
     assert {p.level for p in cache.pages(0)} == {2}
-    fd, real = disk_fd(m), os.preadv
-
-    def bad_sector(file, buffers, offset):
-        if file == fd:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(file, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", bad_sector)
+    fail_disk_reads(monkeypatch, m)
     with pytest.raises(StorageError, match=r"disk level read .* Input/output error"):
         cache.resume()
     monkeypatch.undo()
@@ -546,14 +551,7 @@ def test_read_committed_reads_a_page_where_it_lies_and_moves_nothing(make, tmp_p
     for args, message in bad:
         with pytest.raises(ArgumentError, match=message):
             reader.read_committed(*args)
-    fd, real = disk_fd(m), os.preadv
-
-    def bad_sector(file, buffers, offset):
-        if file == fd:
-            raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return real(file, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", bad_sector)
+    fail_disk_reads(monkeypatch, m)
     with pytest.raises(StorageError, match=r"disk level read .* Input/output error"):
         reader.read_committed(0, 0, role, np.empty(size, np.uint8))
     monkeypatch.undo()
