@@ -73,12 +73,18 @@ def prompt(n: int, blocks: int) -> list[int]:
     return [n * 1000 + i for i in range(blocks * BLOCK + 1)]
 
 
-def test_a_lookup_waiting_on_the_server_never_holds_the_others(server):
-    writer = scheduler_for(server.url)
+def written_by_another_engine(url: str) -> Request:
+    """A 4-block request whose prefix another engine wrote to the server (only it holds it)."""
+    writer = scheduler_for(url)
     remote = Request("r-remote", prompt(1, 4))
     commit(writer, remote, 4)
     assert writer.manager.flush_remote_writes(10)
     writer.shutdown()
+    return remote
+
+
+def test_a_lookup_waiting_on_the_server_never_holds_the_others(server):
+    remote = written_by_another_engine(server.url)
 
     side = scheduler_for(server.url)
     local = Request("r-local", prompt(2, 3))
@@ -108,11 +114,7 @@ def test_a_lookup_waiting_on_the_server_never_holds_the_others(server):
 def test_an_empty_step_pauses_for_a_waiting_lookup_instead_of_spinning(server):
     """vLLM steps again at once while a request waits: an empty step with a lookup waiting
     pauses (up to IDLE_WAIT_S, less once the lookup is ready); a step with work never does."""
-    writer = scheduler_for(server.url)
-    remote = Request("r-remote", prompt(1, 4))
-    commit(writer, remote, 4)
-    assert writer.manager.flush_remote_writes(10)
-    writer.shutdown()
+    remote = written_by_another_engine(server.url)
 
     side = scheduler_for(server.url)
     empty = SimpleNamespace(total_num_scheduled_tokens=0, num_scheduled_tokens={})
@@ -156,11 +158,7 @@ def test_an_empty_step_in_an_engine_core_pauses_until_a_request_arrives(server, 
     """Inside vLLM's engine core (its input queue seen), an empty step with a lookup waiting
     pauses longer (IDLE_WAIT_WATCHED_S: fewer empty steps, each a call to every worker), and
     the engine's input ends the pause: a request arriving meanwhile is not held by it."""
-    writer = scheduler_for(server.url)
-    remote = Request("r-remote", prompt(1, 4))
-    commit(writer, remote, 4)
-    assert writer.manager.flush_remote_writes(10)
-    writer.shutdown()
+    remote = written_by_another_engine(server.url)
 
     side = scheduler_for(server.url)
     engine = EngineCore(side)
@@ -197,11 +195,7 @@ def test_an_empty_step_in_an_engine_core_pauses_until_a_request_arrives(server, 
 
 
 def test_a_server_that_dies_during_a_lookup_costs_its_hits_only(server):
-    writer = scheduler_for(server.url)
-    remote = Request("r-remote", prompt(1, 4))
-    commit(writer, remote, 4)
-    assert writer.manager.flush_remote_writes(10)
-    writer.shutdown()
+    remote = written_by_another_engine(server.url)
 
     side = scheduler_for(server.url, remote_timeout_ms=200)
     server.pause()
@@ -215,11 +209,7 @@ def test_a_server_that_dies_during_a_lookup_costs_its_hits_only(server):
 
 
 def test_synchronous_lookups_still_answer_at_once(server):
-    writer = scheduler_for(server.url)
-    remote = Request("r-remote", prompt(1, 4))
-    commit(writer, remote, 4)
-    assert writer.manager.flush_remote_writes(10)
-    writer.shutdown()
+    remote = written_by_another_engine(server.url)
     side = scheduler_for(server.url, async_lookups=False)
     assert side.get_num_new_matched_tokens(remote, 0) == (4 * BLOCK, True)
     assert side.lookups.started == 0
