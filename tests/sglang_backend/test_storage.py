@@ -233,7 +233,7 @@ def test_a_call_that_waits_too_long_is_a_miss():
     backend = engine.backend
     assert backend.batch_exists(keys) == 2
     answers = []
-    with backend._lock:  # (another call running for longer than timeout_ms)
+    with backend.pools["kv"].lock:  # (another call running for longer than timeout_ms)
         thread = threading.Thread(target=lambda: answers.append(backend.batch_exists(keys)))
         thread.start()
         thread.join(10)
@@ -304,13 +304,13 @@ def test_a_tier_that_raises_is_a_miss_and_a_write_not_done():
             return getattr(manager, name)
 
     indices = engine.host.alloc(2 * PAGE)
-    backend.manager = Failing(("create_kv_cache",))
+    backend.pools["kv"].manager = Failing(("create_kv_cache",))
     assert backend.batch_get_v1(keys, indices) == [False, False]
     assert backend.batch_set_v1([f"{k:064x}" for k in range(2)], indices) == [False, False]
-    backend.manager = Failing(("probe_reuse",))
+    backend.pools["kv"].manager = Failing(("probe_reuse",))
     assert backend.batch_exists(keys) == 0
     assert backend.statistics()["failures"] == 1 + 2 + 1  # (a read stops at its first miss)
-    backend.manager = manager
+    backend.pools["kv"].manager = manager
     assert backend.batch_exists(keys) == 2
     engine.host.free(indices)
     engine.close()

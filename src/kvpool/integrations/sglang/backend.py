@@ -117,14 +117,6 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pool = self.pools.get(KV)
         return None if pool is None else pool.manager
 
-    @manager.setter
-    def manager(self, manager: Any) -> None:
-        self.pools[KV].manager = manager
-
-    @property
-    def _lock(self) -> threading.Lock:
-        return self.pools[KV].lock
-
     # -- set-up -------------------------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
